@@ -1,0 +1,121 @@
+"""Job configuration: every ``RINGMASTER_*`` environment variable, parsed in one place.
+
+``ringrun`` turns its flags into these variables; ranks started by plain ``mpirun`` read
+the same variables. :func:`load_config` returns one frozen :class:`Config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Optional
+
+MIB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A ``RINGMASTER_*`` variable holds a value that cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The settings of one ringmaster job (all ranks read the same environment).
+
+    Attributes:
+        coordinator_addr: ``host:port`` of the coordinator daemon; ``None`` means rank 0
+            starts one itself (plain ``mpirun``).
+        secret: the job token every coordinator call carries. Never logged (``repr=False``).
+        fusion_threshold_bytes: largest fused allreduce buffer (default 64 MiB; 0 disables fusion).
+        cycle_time_ms: how long the coordinator waits for more ready tensors to fuse with,
+            once tensors are ready while others are still being declared (default 1 ms).
+        stall_warning_s: warn when some ranks declared a tensor and others did not for this long.
+        stall_shutdown_s: abort the job after a stall this long (0 = never).
+        heartbeat_interval_s: how often each rank tells the coordinator it is alive.
+        heartbeat_timeout_s: a rank silent this long is declared dead and the job aborted.
+        start_timeout_s: how long ranks wait for the coordinator and each other at start.
+        allreduce_algorithm: ``"auto"``, ``"ring"`` (ringmaster's ring) or ``"mpi"`` (MPI_Allreduce).
+        log_level: Python logging level name for the ``ringmaster`` loggers.
+        network_interface: the interface whose address the coordinator binds to and advertises.
+    """
+
+    coordinator_addr: Optional[str] = None
+    secret: Optional[str] = dataclasses.field(default=None, repr=False)
+    fusion_threshold_bytes: int = 64 * MIB
+    cycle_time_ms: float = 1.0
+    stall_warning_s: float = 60.0
+    stall_shutdown_s: float = 0.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 15.0
+    start_timeout_s: float = 30.0
+    allreduce_algorithm: str = "auto"
+    log_level: str = "WARNING"
+    network_interface: Optional[str] = None
+
+
+# environment variable -> (Config field, parser)
+def _text(value: str) -> str:
+    return value
+
+
+def _nonnegative_float(value: str) -> float:
+    number = float(value)
+    if number < 0:
+        raise ValueError("must be >= 0")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise ValueError("must be > 0")
+    return number
+
+
+def _nonnegative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError("must be >= 0")
+    return number
+
+
+def _algorithm(value: str) -> str:
+    value = value.strip().lower()
+    if value not in ("auto", "ring", "mpi"):
+        raise ValueError("must be one of auto, ring, mpi")
+    return value
+
+
+ENVIRONMENT = {
+    "RINGMASTER_COORDINATOR_ADDR": ("coordinator_addr", _text),
+    "RINGMASTER_SECRET": ("secret", _text),
+    "RINGMASTER_FUSION_THRESHOLD": ("fusion_threshold_bytes", _nonnegative_int),
+    "RINGMASTER_CYCLE_TIME": ("cycle_time_ms", _nonnegative_float),
+    "RINGMASTER_STALL_WARNING_S": ("stall_warning_s", _positive_float),
+    "RINGMASTER_STALL_SHUTDOWN_S": ("stall_shutdown_s", _nonnegative_float),
+    "RINGMASTER_HEARTBEAT_INTERVAL_S": ("heartbeat_interval_s", _positive_float),
+    "RINGMASTER_HEARTBEAT_TIMEOUT_S": ("heartbeat_timeout_s", _positive_float),
+    "RINGMASTER_START_TIMEOUT": ("start_timeout_s", _positive_float),
+    "RINGMASTER_ALLREDUCE": ("allreduce_algorithm", _algorithm),
+    "RINGMASTER_LOG_LEVEL": ("log_level", lambda v: v.strip().upper()),
+    "RINGMASTER_NETWORK_INTERFACE": ("network_interface", _text),
+}
+
+
+def load_config(environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Parse the ``RINGMASTER_*`` variables of ``environ`` (default ``os.environ``).
+
+    Raises:
+        ConfigError: naming the variable, its value and what it must be.
+    """
+    environ = os.environ if environ is None else environ
+    values = {}
+    for variable, (field, parse) in ENVIRONMENT.items():
+        raw = environ.get(variable)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[field] = parse(raw)
+        except ValueError as error:
+            shown = "<hidden>" if variable == "RINGMASTER_SECRET" else repr(raw)
+            raise ConfigError(f"{variable}={shown} is invalid: {error}") from None
+    return Config(**values)
