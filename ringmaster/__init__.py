@@ -1,0 +1,39 @@
+"""ringmaster: Horovod-style distributed data-parallel training for PyTorch.
+
+``import ringmaster as rm`` offers the names ``import horovod.torch as hvd`` offers::
+
+    rm.init()
+    print(rm.rank(), rm.allreduce(torch.ones(3), op=rm.Sum))
+
+The public API lives in ``ringmaster.worker``; it is loaded on first use, so that the
+launcher and the coordinator daemon, which share this package, never import torch or MPI
+(initializing MPI inside a child of a rank hangs).
+"""
+
+__version__ = "0.1.0"
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+    "cross_size",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "barrier", "join", "poll", "synchronize",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "RingmasterError", "TensorMismatchError", "RankFailedError", "StalledTensorError",
+    "CoordinatorUnreachableError", "NotInitializedError", "HorovodInternalError",
+]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from ringmaster import worker
+
+        value = getattr(worker, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ringmaster' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

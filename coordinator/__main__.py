@@ -1,0 +1,93 @@
+"""Run the coordinator daemon: ``python -m ringmaster.coordinator --size N ...``.
+
+Started by ``ringrun`` (or by rank 0 under plain ``mpirun``). The job token comes from
+``RINGMASTER_SECRET`` in the environment, never from the command line, where ``ps``
+would show it. Once listening, the daemon writes ``host:port`` to ``--address-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from ringmaster.common.config import ConfigError, load_config
+from ringmaster.coordinator.server import Coordinator
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ringmaster.coordinator",
+                                     description="ringmaster's negotiation daemon (one per job)")
+    parser.add_argument("--size", type=int, required=True, help="number of ranks in the job")
+    parser.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
+    parser.add_argument("--address-file", help="write host:port here once listening")
+    parser.add_argument("--advertise", help="address ranks should use, if not --bind (e.g. bind 0.0.0.0)")
+    parser.add_argument("--exit-on-stdin-eof", action="store_true",
+                        help="exit when standard input closes (the parent that started us died)")
+    parser.add_argument("--persistent", action="store_true",
+                        help="after all ranks shut down, wait for the job's next init() instead of exiting")
+    return parser.parse_args(argv)
+
+
+def write_address(path: str, address: str) -> None:
+    """Write atomically, so a reader never sees half an address."""
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as handle:
+        handle.write(address + "\n")
+    os.replace(temporary, path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config()
+    except ConfigError as error:
+        print(f"ringmaster coordinator: error: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level, stream=sys.stderr,
+                        format="[coordinator] ringmaster %(levelname)s: %(message)s")
+    if not config.secret:
+        print("ringmaster coordinator: error: RINGMASTER_SECRET is not set; the coordinator refuses to "
+              "run without a job token", file=sys.stderr)
+        return 2
+    if args.size < 1:
+        print(f"ringmaster coordinator: error: --size must be >= 1, got {args.size}", file=sys.stderr)
+        return 2
+    try:
+        coordinator = Coordinator(args.size, config.secret, config, args.bind, args.port,
+                                  persistent=args.persistent).start()
+    except OSError as error:
+        print(f"ringmaster coordinator: error: cannot listen on {args.bind}:{args.port}: {error}", file=sys.stderr)
+        return 1
+    advertised = f"{args.advertise or args.bind}:{coordinator.port}"
+    if args.address_file:
+        write_address(args.address_file, advertised)
+    else:
+        print(advertised, flush=True)
+
+    def stop(*_):
+        coordinator.stop(grace=0.5)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    if args.exit_on_stdin_eof:
+        def watch_stdin():
+            try:  # raw reads: a buffered reader's lock would trip interpreter shutdown
+                while os.read(sys.stdin.fileno(), 4096):
+                    pass
+            except (OSError, ValueError):
+                pass
+            stop()
+        threading.Thread(target=watch_stdin, name="ringmaster-stdin-watch", daemon=True).start()
+    while not coordinator.finished.wait(0.5):
+        pass
+    coordinator.stop(grace=2.0)  # lets abort messages reach the ranks
+    return coordinator.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

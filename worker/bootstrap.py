@@ -1,0 +1,97 @@
+"""Finding the coordinator: the one ``ringrun`` started, or one rank 0 starts itself.
+
+Under plain ``mpirun`` (no ``RINGMASTER_COORDINATOR_ADDR``), rank 0 starts
+``python -m ringmaster.coordinator`` as a child process, and broadcasts its address and a
+fresh job token to the other ranks over MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from ringmaster.common.config import Config
+from ringmaster.worker.errors import CoordinatorUnreachableError
+
+
+@dataclass
+class CoordinatorEndpoint:
+    """Where the coordinator listens, the job token, and the process if this rank started it."""
+
+    address: str
+    secret: str
+    process: Optional[subprocess.Popen] = None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Wait for a coordinator this rank started to finish (it does once all ranks left)."""
+        if self.process is None:
+            return
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.terminate()
+            try:
+                self.process.wait(2)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        if self.process.stdin:
+            self.process.stdin.close()
+        self.process = None
+
+
+def find_coordinator(comm, config: Config) -> CoordinatorEndpoint:
+    """Return the job's coordinator; collective over ``comm`` when rank 0 must start one."""
+    if config.coordinator_addr:
+        if not config.secret:
+            raise CoordinatorUnreachableError(
+                "RINGMASTER_COORDINATOR_ADDR is set but RINGMASTER_SECRET is not: the coordinator "
+                "refuses calls without the job token; launch with ringrun, or set both")
+        return CoordinatorEndpoint(config.coordinator_addr, config.secret)
+    hostnames = comm.allgather(socket.gethostname())
+    endpoint, outcome = None, None
+    if comm.Get_rank() == 0:
+        try:
+            endpoint = _start_coordinator(comm.Get_size(), config, single_host=len(set(hostnames)) == 1)
+            outcome = ("ok", endpoint.address, endpoint.secret)
+        except Exception as error:  # noqa: BLE001 - every rank must learn that it failed
+            outcome = ("error", str(error), None)
+    outcome = comm.bcast(outcome, root=0)
+    if outcome[0] == "error":
+        raise CoordinatorUnreachableError(f"rank 0 could not start the ringmaster coordinator: {outcome[1]}")
+    return endpoint if endpoint is not None else CoordinatorEndpoint(outcome[1], outcome[2])
+
+
+def _start_coordinator(size: int, config: Config, single_host: bool) -> CoordinatorEndpoint:
+    secret = secrets.token_hex(32)
+    if single_host:
+        bind, advertise = "127.0.0.1", "127.0.0.1"
+    else:
+        advertise = socket.gethostbyname(socket.gethostname())
+        bind = advertise
+    environment = dict(os.environ, RINGMASTER_SECRET=secret)
+    address_file = os.path.join(tempfile.mkdtemp(prefix="ringmaster-"), "coordinator-address")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ringmaster.coordinator", "--size", str(size), "--bind", bind,
+         "--advertise", advertise, "--address-file", address_file, "--exit-on-stdin-eof"],
+        stdin=subprocess.PIPE, env=environment, close_fds=True,
+    )
+    deadline = time.monotonic() + config.start_timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(address_file):
+            with open(address_file) as handle:
+                address = handle.read().strip()
+            os.unlink(address_file)
+            os.rmdir(os.path.dirname(address_file))
+            return CoordinatorEndpoint(address, secret, process)
+        if process.poll() is not None:
+            raise RuntimeError(f"the coordinator process exited with code {process.returncode} before listening")
+        time.sleep(0.01)
+    process.kill()
+    raise RuntimeError(f"the coordinator did not start listening within {config.start_timeout_s:g} s")

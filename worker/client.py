@@ -1,0 +1,171 @@
+"""This rank's gRPC stream to the coordinator: requests and heartbeats out, responses in."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable, Optional
+
+import grpc
+
+from ringmaster.coordinator.auth import call_metadata
+from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
+from ringmaster.worker.errors import (CoordinatorUnreachableError, RankFailedError, RingmasterError,
+                                     StalledTensorError)
+
+log = logging.getLogger("ringmaster.worker")
+
+_END = object()
+
+ABORT_ERRORS = {
+    pb.RANK_FAILED: RankFailedError,
+    pb.STALLED: StalledTensorError,
+    pb.START_TIMEOUT: CoordinatorUnreachableError,
+}
+
+
+def abort_error(abort: pb.Abort, rank: int) -> RingmasterError:
+    """The exception a rank raises for the coordinator's abort message."""
+    error_type = ABORT_ERRORS.get(abort.kind, RingmasterError)
+    return error_type(f"ringmaster job aborted (seen on rank {rank}): {abort.reason}")
+
+
+class CoordinatorClient:
+    """Holds the bidirectional negotiation stream.
+
+    Args:
+        address: ``host:port`` of the coordinator.
+        secret: the job token.
+        rank, size, hostname, pid: this rank's registration.
+        heartbeat_interval_s: a heartbeat goes out whenever the stream was idle this long.
+        on_responses: called (on the receiver thread) with each :class:`pb.ResponseList`.
+        on_fatal: called once with the exception that ends the job (abort, lost coordinator).
+    """
+
+    def __init__(self, address: str, secret: str, rank: int, size: int, hostname: str, pid: int,
+                 heartbeat_interval_s: float, on_responses: Callable, on_fatal: Callable):
+        self.address = address
+        self.rank = rank
+        self._registration = pb.Register(rank=rank, size=size, hostname=hostname, pid=pid)
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._on_responses = on_responses
+        self._on_fatal = on_fatal
+        self._outgoing: "queue.Queue" = queue.Queue()
+        self._welcome = threading.Event()
+        self._welcome_message: Optional[pb.Welcome] = None
+        self._start_error: Optional[RingmasterError] = None
+        self._closing = False
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ])
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._metadata = call_metadata(secret)
+        self._call = None
+        self._receiver = threading.Thread(target=self._receive, name="ringmaster-receiver", daemon=True)
+
+    # --------------------------------------------------------------- start
+    def connect(self, timeout_s: float) -> pb.Welcome:
+        """Reach the coordinator, register, and wait until every rank has registered."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise CoordinatorUnreachableError(
+                f"rank {self.rank} could not reach the ringmaster coordinator at {self.address} within "
+                f"{timeout_s:g} s (RINGMASTER_START_TIMEOUT): is it running, and is the address reachable "
+                f"from this host?") from None
+        self._outgoing.put(pb.RankMessage(register=self._registration))
+        self._call = self._stub.Negotiate(self._requests(), metadata=self._metadata)
+        self._receiver.start()
+        if not self._welcome.wait(timeout_s + 5):
+            self.close()
+            raise CoordinatorUnreachableError(
+                f"rank {self.rank}: not every rank registered with the coordinator at {self.address} "
+                f"within {timeout_s:g} s (RINGMASTER_START_TIMEOUT)")
+        if self._start_error is not None:
+            raise self._start_error
+        return self._welcome_message
+
+    # ------------------------------------------------------------ outgoing
+    def send_requests(self, requests) -> None:
+        self._outgoing.put(pb.RankMessage(requests=pb.RequestList(requests=requests)))
+
+    def _requests(self):
+        """The request stream: whatever is queued goes out as one message; idle means heartbeat."""
+        while True:
+            try:
+                message = self._outgoing.get(timeout=self._heartbeat_interval_s)
+            except queue.Empty:
+                yield pb.RankMessage(heartbeat=pb.Heartbeat())
+                continue
+            if message is _END:
+                return
+            if message.WhichOneof("kind") == "requests":
+                message = self._merge_queued(message)
+                if message is _END:
+                    return
+            yield message
+
+    def _merge_queued(self, message):
+        """Pack requests queued meanwhile into the same message (fewer, larger messages)."""
+        while True:
+            try:
+                more = self._outgoing.get_nowait()
+            except queue.Empty:
+                return message
+            if more is _END or more.WhichOneof("kind") != "requests":
+                # Keep order: send what we have, then the other message.
+                self._outgoing.queue.appendleft(more)
+                return message
+            message.requests.requests.extend(more.requests.requests)
+
+    # ------------------------------------------------------------ incoming
+    def _receive(self) -> None:
+        try:
+            for message in self._call:
+                kind = message.WhichOneof("kind")
+                if kind == "responses":
+                    self._on_responses(message.responses)
+                elif kind == "welcome":
+                    self._welcome_message = message.welcome
+                    self._welcome.set()
+                elif kind == "abort":
+                    self._fail(abort_error(message.abort, self.rank))
+                    return
+        except grpc.RpcError as error:
+            if self._closing:
+                return
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                self._fail(CoordinatorUnreachableError(
+                    f"rank {self.rank}: the coordinator at {self.address} refused this rank's token: "
+                    f"RINGMASTER_SECRET differs from the one the coordinator was started with"))
+            else:
+                self._fail(CoordinatorUnreachableError(
+                    f"rank {self.rank} lost its connection to the ringmaster coordinator at {self.address} "
+                    f"({error.code().name}: {error.details()}); the coordinator died or its host is unreachable"))
+            return
+        if not self._closing:
+            self._fail(CoordinatorUnreachableError(
+                f"rank {self.rank}: the coordinator at {self.address} closed the stream unexpectedly"))
+
+    def _fail(self, error: RingmasterError) -> None:
+        if not self._welcome.is_set():
+            self._start_error = error
+            self._welcome.set()
+        self._on_fatal(error)
+
+    # -------------------------------------------------------------- finish
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Say goodbye (a clean shutdown, not a failure) and close the stream."""
+        self._closing = True
+        if self._call is not None:
+            self._outgoing.put(pb.RankMessage(goodbye=pb.Goodbye()))
+            self._outgoing.put(_END)
+            if self._receiver.is_alive():
+                self._receiver.join(timeout_s)
+            self._call.cancel()
+        self._channel.close()

@@ -1,0 +1,318 @@
+"""The collectives users call, with ``horovod.torch``'s names, arguments and defaults.
+
+Each ``*_async`` call validates its input on the caller's thread, puts an entry in the
+tensor table, declares it to the coordinator and returns a handle; ``synchronize``
+waits for it. The background thread does the communication.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import defaultdict
+from typing import Optional, Sequence
+
+import torch
+
+from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.worker.executor import Entry
+from ringmaster.worker.runtime import runtime
+from ringmaster.worker.tensors import device_name, dtype_name
+
+# Reduction constants, numbered as horovod.torch numbers them.
+Average = pb.AVERAGE
+Sum = pb.SUM
+Adasum = pb.ADASUM
+Min = pb.MIN
+Max = pb.MAX
+Product = pb.PRODUCT
+
+_REDUCE_OPS = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product"}
+
+_name_counters = defaultdict(itertools.count)
+_name_lock = threading.Lock()
+
+
+def _auto_name(kind: str, name: Optional[str]) -> str:
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name= must be a non-empty string, got {name!r}")
+        return name
+    with _name_lock:
+        return f"{kind}.noname.{next(_name_counters[kind])}"
+
+
+def _check_tensor(tensor, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what}: tensors on {tensor.device} are not supported yet; move it to the CPU "
+                         f"with .cpu() (GPU support is planned)")
+    if tensor.is_sparse:
+        raise ValueError(f"{what}: sparse tensors are not supported; pass tensor.to_dense()")
+    dtype_name(tensor, what)
+    return tensor
+
+
+def _resolve_op(average, op, what: str) -> int:
+    if op is not None and average is not None:
+        raise ValueError(f"{what}: pass either op= or the deprecated average=, not both")
+    if op is None:
+        op = Sum if average is False else Average
+    if op == Adasum:
+        raise NotImplementedError(f"{what}: op=Adasum is not supported by ringmaster; use Average or Sum")
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"{what}: op={op!r} is not a reduction; use ringmaster.Average, Sum, Min, Max or Product")
+    return op
+
+
+def _check_reduction(tensor: torch.Tensor, op: int, prescale: float, postscale: float, what: str) -> None:
+    if tensor.dtype == torch.bool and op in (Average,):
+        raise TypeError(f"{what}: op=Average is undefined for bool tensors; use Sum (logical or), "
+                        f"Product or Min (logical and), or Max")
+    if not tensor.dtype.is_floating_point and (prescale != 1.0 or postscale != 1.0):
+        raise TypeError(f"{what}: prescale_factor/postscale_factor need a floating-point tensor, "
+                        f"got {tensor.dtype}")
+
+
+def _request(name: str, op_type: int, tensor: torch.Tensor, **fields) -> pb.TensorRequest:
+    fields.setdefault("prescale_factor", 1.0)
+    fields.setdefault("postscale_factor", 1.0)
+    return pb.TensorRequest(name=name, op_type=op_type, dtype=dtype_name(tensor, name),
+                            shape=tensor.shape, device=device_name(tensor), **fields)
+
+
+def _output_for(tensor: torch.Tensor, in_place: bool):
+    """(output buffer, tensor to copy the result back into) for a collective on ``tensor``."""
+    if not in_place:
+        return torch.empty_like(tensor, memory_format=torch.contiguous_format), None
+    if tensor.is_contiguous():
+        return tensor, None
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format), tensor
+
+
+# ----------------------------------------------------------------- allreduce
+def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, prescale_factor,
+                       postscale_factor, in_place: bool, what: str, single: bool) -> int:
+    op = _resolve_op(average, op, what)
+    state = runtime()
+    if not single and not tensors:
+        raise ValueError(f"{what} needs at least one tensor")
+    base = _auto_name(what.rstrip("_").replace("_async", ""), name)
+    entries, requests = [], []
+    handle = state.handles.new(base, parts=len(tensors), as_list=not single)
+    group = "" if single else base
+    for index, tensor in enumerate(tensors):
+        _check_tensor(tensor, what)
+        _check_reduction(tensor, op, prescale_factor, postscale_factor, what)
+        entry_name = base if single else f"{base}.{index}"
+        output, copy_back = _output_for(tensor, in_place)
+        source = tensor if tensor.is_contiguous() else tensor.contiguous()
+        if in_place and copy_back is None:
+            output = source
+        entries.append(Entry(entry_name, pb.ALLREDUCE, source, handle, part=index, output=output,
+                             copy_back=copy_back))
+        requests.append(_request(entry_name, pb.ALLREDUCE, source, reduce_op=op,
+                                 prescale_factor=float(prescale_factor),
+                                 postscale_factor=float(postscale_factor),
+                                 group=group, group_size=0 if single else len(tensors)))
+    state.submit(entries, requests)
+    return handle.id
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Start an allreduce of ``tensor`` over all ranks; returns a handle for :func:`synchronize`.
+
+    ``op`` is ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``; the input is
+    multiplied by ``prescale_factor`` before and the result by ``postscale_factor`` after.
+    """
+    return _grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
+                              False, "allreduce_async", single=True)
+
+
+def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Allreduce ``tensor`` over all ranks and return the result as a new tensor."""
+    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
+    return _grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
+                              True, "allreduce_async_", single=True)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """In-place :func:`allreduce`; returns ``tensor``."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0):
+    """Allreduce a list of tensors as one group (negotiated and fused together); one handle."""
+    return _grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
+                              False, "grouped_allreduce_async", single=False)
+
+
+def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Allreduce a list of tensors as one group; returns the list of results."""
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0):
+    """In-place :func:`grouped_allreduce_async`."""
+    return _grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
+                              True, "grouped_allreduce_async_", single=False)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """In-place :func:`grouped_allreduce`; returns the list of tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+# ----------------------------------------------------- data-moving collectives
+def _submit_single(kind: str, op_type: int, tensor, name, output=None, copy_back=None, finish=None,
+                   **fields) -> int:
+    state = runtime()
+    _check_tensor(tensor, kind)
+    name = _auto_name(kind, name)
+    source = tensor if tensor.is_contiguous() else tensor.contiguous()
+    handle = state.handles.new(name, finish=finish)
+    entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back)
+    state.submit([entry], [_request(name, op_type, source, **fields)])
+    return handle.id
+
+
+def allgather_async(tensor, name=None):
+    """Start gathering ``tensor`` from all ranks, concatenated along the first dimension.
+
+    First dimensions may differ between ranks; the other dimensions must agree.
+    """
+    if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    return _submit_single("allgather", pb.ALLGATHER, tensor, name)
+
+
+def allgather(tensor, name=None):
+    """Gather ``tensor`` from all ranks, concatenated along the first dimension."""
+    return synchronize(allgather_async(tensor, name))
+
+
+def _check_root(root_rank, what: str) -> int:
+    size = runtime().size
+    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        raise ValueError(f"{what}: root_rank={root_rank!r} is not a rank of this job (0..{size - 1})")
+    return root_rank
+
+
+def broadcast_async(tensor, root_rank, name=None):
+    """Start broadcasting ``tensor`` from ``root_rank``; the result is a new tensor."""
+    _check_root(root_rank, "broadcast")
+    _check_tensor(tensor, "broadcast")
+    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return _submit_single("broadcast", pb.BROADCAST, tensor, name, output=output, root_rank=root_rank)
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Return ``root_rank``'s ``tensor`` on every rank."""
+    return synchronize(broadcast_async(tensor, root_rank, name))
+
+
+def broadcast_async_(tensor, root_rank, name=None):
+    """In-place :func:`broadcast_async`: ``tensor`` is overwritten with the root's."""
+    _check_root(root_rank, "broadcast_")
+    _check_tensor(tensor, "broadcast_")
+    output, copy_back = _output_for(tensor, in_place=True)
+    return _submit_single("broadcast", pb.BROADCAST, tensor, name, output=output, copy_back=copy_back,
+                          root_rank=root_rank)
+
+
+def broadcast_(tensor, root_rank, name=None):
+    """In-place :func:`broadcast`; returns ``tensor``."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def alltoall_async(tensor, splits=None, name=None):
+    """Start an all-to-all: rows ``splits[i]`` of ``tensor`` go to rank ``i``.
+
+    Without ``splits`` the first dimension is split evenly (it must divide by the job size).
+    """
+    state = runtime()
+    _check_tensor(tensor, "alltoall")
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    if splits is None:
+        if tensor.shape[0] % state.size:
+            raise ValueError(f"alltoall: the first dimension ({tensor.shape[0]}) does not divide evenly "
+                             f"among {state.size} ranks; pass splits=")
+        split_list = [tensor.shape[0] // state.size] * state.size
+    else:
+        split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        if len(split_list) != state.size or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
+            raise ValueError(f"alltoall: splits={split_list} must have one non-negative entry per rank "
+                             f"({state.size}) summing to the first dimension ({tensor.shape[0]})")
+    output_only = (lambda result: result[0]) if splits is None else None
+    return _submit_single("alltoall", pb.ALLTOALL, tensor, name, finish=output_only, splits=split_list)
+
+
+def alltoall(tensor, splits=None, name=None):
+    """All-to-all; returns the received tensor, and the received splits when ``splits`` was given."""
+    return synchronize(alltoall_async(tensor, splits, name))
+
+
+def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
+    """Start a reduce-scatter: reduce over ranks, rank ``r`` keeps the ``r``-th block of rows.
+
+    Rows are split as evenly as possible; the first ranks take one extra row.
+    """
+    op = _resolve_op(None, op, "reducescatter")
+    _check_tensor(tensor, "reducescatter")
+    _check_reduction(tensor, op, prescale_factor, postscale_factor, "reducescatter")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    return _submit_single("reducescatter", pb.REDUCESCATTER, tensor, name, reduce_op=op,
+                          prescale_factor=float(prescale_factor), postscale_factor=float(postscale_factor))
+
+
+def reducescatter(tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce-scatter ``tensor``; returns this rank's block of the reduced rows."""
+    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+
+
+# ------------------------------------------------------------------- control
+def barrier() -> None:
+    """Wait until every rank has called barrier()."""
+    state = runtime()
+    name = _auto_name("barrier", None)
+    handle = state.handles.new(name)
+    empty = torch.empty(0)
+    state.submit([Entry(name, pb.BARRIER, empty, handle)], [_request(name, pb.BARRIER, empty)])
+    synchronize(handle.id)
+
+
+def join(device=-1) -> int:
+    """Declare that this rank has no more data; keep serving the others' collectives until all joined.
+
+    While joined, this rank contributes the identity (zeros for sums) to allreduces and no rows
+    to allgathers of the ranks still training. Returns the rank that joined last.
+    """
+    state = runtime()
+    handle = state.handles.new("join")
+    state.submit_join(handle)
+    return synchronize(handle.id)
+
+
+def poll(handle: int) -> bool:
+    """True when the operation behind ``handle`` has finished (successfully or not)."""
+    return runtime().handles.get(handle).done()
+
+
+def synchronize(handle: int):
+    """Wait for the operation behind ``handle`` and return its result (raises its error)."""
+    state = runtime()
+    entry = state.handles.get(handle)
+    try:
+        return entry.wait()
+    finally:
+        state.handles.release(handle)
+

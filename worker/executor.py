@@ -1,0 +1,291 @@
+"""The background thread: runs the coordinator's response lists, in order, over MPI.
+
+This thread is the only one that calls collectives on the job's communicator
+(invariant 1). It takes each named tensor out of the tensor table, packs allreduces of
+several tensors into a reused fusion buffer, runs the collective from ``ringmaster.ops``,
+scales, copies results out, and completes the handles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import queue
+import threading
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from ringmaster import ops
+from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.worker.errors import RingmasterError, TensorMismatchError
+from ringmaster.worker.handles import Handle
+from ringmaster.worker.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
+
+log = logging.getLogger("ringmaster.worker")
+
+_STOP = object()
+
+OPS_REDUCTION = {pb.SUM: "sum", pb.AVERAGE: "sum", pb.MIN: "min", pb.MAX: "max", pb.PRODUCT: "prod"}
+
+
+@dataclasses.dataclass
+class Entry:
+    """One tensor this rank submitted and is waiting on."""
+
+    name: str
+    op_type: int
+    tensor: torch.Tensor                     # contiguous input
+    handle: Handle
+    part: int = 0                            # position in a grouped handle
+    output: Optional[torch.Tensor] = None    # result buffer (allreduce, broadcast)
+    copy_back: Optional[torch.Tensor] = None  # non-contiguous in-place target
+
+
+class TensorTable:
+    """Tensors submitted by the user's threads, by name, until the background thread runs them."""
+
+    def __init__(self):
+        self._entries: Dict[str, Entry] = {}
+        self._lock = threading.Lock()
+
+    def add(self, entry: Entry) -> None:
+        with self._lock:
+            if entry.name in self._entries:
+                raise ValueError(f"a collective named '{entry.name}' is already in flight on this rank; "
+                                 f"synchronize it first or pass a different name=")
+            self._entries[entry.name] = entry
+
+    def take(self, name: str) -> Optional[Entry]:
+        with self._lock:
+            return self._entries.pop(name, None)
+
+    def drop(self, name: str) -> None:
+        self.take(name)
+
+
+class Executor:
+    """Runs response lists on a background thread.
+
+    Args:
+        comm: the job's (duplicated) MPI communicator.
+        table: where user threads put their entries.
+        allreduce_algorithm: ``auto``, ``ring`` or ``mpi`` (see ``ringmaster.ops.allreduce``).
+        on_join: called with the last joined rank when a JOIN completes.
+        on_fatal: called with the error when this rank can no longer run collectives.
+    """
+
+    def __init__(self, comm, table: TensorTable, allreduce_algorithm: str,
+                 on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None]):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.table = table
+        self.algorithm = allreduce_algorithm
+        self._on_join = on_join
+        self._on_fatal = on_fatal
+        self._queue: "queue.Queue" = queue.Queue()
+        self._expected_sequence = 1
+        self._fusion: Dict[torch.dtype, torch.Tensor] = {}
+        self._thread = threading.Thread(target=self._run, name="ringmaster-background", daemon=True)
+        self._run_response = {
+            pb.ALLREDUCE: self._allreduce, pb.ALLGATHER: self._allgather, pb.BROADCAST: self._broadcast,
+            pb.ALLTOALL: self._alltoall, pb.REDUCESCATTER: self._reducescatter,
+            pb.BARRIER: self._barrier, pb.JOIN: self._join,
+        }
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, response_list: pb.ResponseList) -> None:
+        """Called by the receiver thread for each response list, in arrival order."""
+        self._queue.put(response_list)
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Finish queued work and end the thread; False if it is stuck (e.g. in MPI)."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if item.sequence != self._expected_sequence:
+                self._on_fatal(RingmasterError(
+                    f"internal error on rank {self.rank}: response list {item.sequence} arrived where "
+                    f"{self._expected_sequence} was expected"))
+                return
+            self._expected_sequence += 1
+            for response in item.responses:
+                try:
+                    self._execute(response)
+                except Exception as error:  # noqa: BLE001 - every failure must reach the handles
+                    failure = RingmasterError(
+                        f"rank {self.rank}: {pb.OpType.Name(response.op_type).lower()} of "
+                        f"{list(response.names)} failed: {type(error).__name__}: {error}")
+                    log.exception("collective failed")
+                    self._fail(response.names, failure)
+                    self._on_fatal(failure)
+                    return
+
+    def _execute(self, response: pb.Response) -> None:
+        if response.error_kind != pb.NO_ERROR:
+            error_type = TensorMismatchError if response.error_kind == pb.MISMATCH else RingmasterError
+            self._fail(response.names, error_type(f"{response.error_message} (reported on rank {self.rank})"))
+            return
+        self._run_response[response.op_type](response)
+
+    def _fail(self, names, error: BaseException) -> None:
+        for name in names:
+            entry = self.table.take(name)
+            if entry is not None:
+                entry.handle.set_error(error)
+
+    @staticmethod
+    def _complete(entry: Entry, result) -> None:
+        if entry.copy_back is not None:
+            entry.copy_back.copy_(result)
+            result = entry.copy_back
+        entry.handle.set_result(result, entry.part)
+
+    # ------------------------------------------------------------- allreduce
+    def _allreduce(self, response: pb.Response) -> None:
+        dtype = SUPPORTED_DTYPES[response.dtype]
+        entries = [self.table.take(name) for name in response.names]
+        shapes = [tuple(shape.dims) for shape in response.shapes]
+        wire_dtype = reduction_dtype(dtype)
+        if len(entries) == 1 and entries[0] is not None and wire_dtype == dtype:
+            entry = entries[0]
+            if entry.output is not entry.tensor:
+                entry.output.copy_(entry.tensor)
+            self._reduce_in_place(entry.output.reshape(-1), response)
+            self._complete(entry, entry.output)
+            return
+        sizes = [math.prod(shape) for shape in shapes]
+        buffer = self._fusion_buffer(wire_dtype, sum(sizes))
+        offset = 0
+        for entry, count in zip(entries, sizes):
+            part = buffer[offset:offset + count]
+            if entry is None:  # this rank joined: contribute the reduction's identity
+                part.fill_(_identity(response.reduce_op, wire_dtype))
+            else:
+                part.copy_(entry.tensor.reshape(-1))
+            offset += count
+        self._reduce_in_place(buffer, response)
+        offset = 0
+        for entry, count, shape in zip(entries, sizes, shapes):
+            if entry is not None:
+                entry.output.reshape(-1).copy_(buffer[offset:offset + count])
+                self._complete(entry, entry.output)
+            offset += count
+
+    def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response) -> None:
+        """Allreduce the 1-D contiguous tensor ``flat`` in place, with Horovod's scaling."""
+        if response.prescale_factor != 1.0:
+            flat.mul_(response.prescale_factor)
+        ops.allreduce(self.comm, flat_array(flat), OPS_REDUCTION[response.reduce_op], self.algorithm)
+        self._postscale(flat, response)
+
+    def _postscale(self, flat: torch.Tensor, response: pb.Response) -> None:
+        if response.reduce_op == pb.AVERAGE:
+            if flat.dtype.is_floating_point:
+                flat.mul_(response.postscale_factor / self.size)
+            else:
+                flat.floor_divide_(self.size)
+        elif response.postscale_factor != 1.0:
+            flat.mul_(response.postscale_factor)
+
+    def _fusion_buffer(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        buffer = self._fusion.get(dtype)
+        if buffer is None or buffer.numel() < count:
+            buffer = torch.empty(max(count, 1024), dtype=dtype)
+            self._fusion[dtype] = buffer
+        return buffer[:count]
+
+    # --------------------------------------------------------- data movement
+    def _allgather(self, response: pb.Response) -> None:
+        name = response.names[0]
+        entry = self.table.take(name)
+        dtype = SUPPORTED_DTYPES[response.dtype]
+        row_shape = tuple(response.shapes[0].dims[1:])
+        first_dims = list(response.first_dims)
+        row_bytes = math.prod(row_shape) * _itemsize(dtype)
+        output = torch.empty((sum(first_dims), *row_shape), dtype=dtype)
+        send = byte_array(entry.tensor) if entry is not None else np.empty(0, dtype=np.uint8)
+        received = ops.allgatherv(self.comm, send, [d * row_bytes for d in first_dims])
+        byte_array(output)[:] = received
+        if entry is not None:
+            self._complete(entry, output)
+
+    def _broadcast(self, response: pb.Response) -> None:
+        entry = self.table.take(response.names[0])
+        if entry.output is not entry.tensor and self.rank == response.root_rank:
+            entry.output.copy_(entry.tensor)
+        ops.broadcast(self.comm, byte_array(entry.output), response.root_rank)
+        self._complete(entry, entry.output)
+
+    def _alltoall(self, response: pb.Response) -> None:
+        entry = self.table.take(response.names[0])
+        dtype = entry.tensor.dtype
+        row_shape = tuple(entry.tensor.shape[1:])
+        row_bytes = math.prod(row_shape) * _itemsize(dtype)
+        splits = np.asarray(response.splits, dtype=np.int64).reshape(self.size, self.size)
+        send_rows, receive_rows = splits[self.rank], splits[:, self.rank]
+        output = torch.empty((int(receive_rows.sum()), *row_shape), dtype=dtype)
+        received = ops.alltoallv(self.comm, byte_array(entry.tensor),
+                                 (send_rows * row_bytes).tolist(), (receive_rows * row_bytes).tolist())
+        byte_array(output)[:] = received
+        self._complete(entry, (output, torch.from_numpy(receive_rows.astype(np.int32))))
+
+    def _reducescatter(self, response: pb.Response) -> None:
+        entry = self.table.take(response.names[0])
+        tensor = entry.tensor
+        wire_dtype = reduction_dtype(tensor.dtype)
+        rows = reducescatter_rows(tensor.shape[0], self.size)
+        row_count = math.prod(tensor.shape[1:])
+        work = tensor.to(wire_dtype).reshape(-1).clone()
+        if response.prescale_factor != 1.0:
+            work.mul_(response.prescale_factor)
+        part = ops.reducescatter(self.comm, flat_array(work), OPS_REDUCTION[response.reduce_op],
+                                 [r * row_count for r in rows])
+        result = torch.from_numpy(np.ascontiguousarray(part)).clone()
+        self._postscale(result, response)
+        self._complete(entry, result.reshape(rows[self.rank], *tensor.shape[1:]).to(tensor.dtype))
+
+    # ------------------------------------------------------------- control
+    def _barrier(self, response: pb.Response) -> None:
+        # The coordinator answers only once every rank has arrived: that is the barrier.
+        entry = self.table.take(response.names[0])
+        if entry is not None:
+            self._complete(entry, None)
+
+    def _join(self, response: pb.Response) -> None:
+        self._on_join(response.last_joined_rank)
+
+
+def reducescatter_rows(first_dim: int, size: int) -> List[int]:
+    """Rows of the result on each rank: as even as possible, the first ranks take the extra."""
+    base, extra = divmod(first_dim, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _identity(reduce_op: int, dtype: torch.dtype):
+    """The value a joined rank contributes so that it changes no result."""
+    if reduce_op == pb.PRODUCT:
+        return 1
+    if reduce_op in (pb.MIN, pb.MAX):
+        info = torch.finfo(dtype) if dtype.is_floating_point else (
+            torch.iinfo(dtype) if dtype != torch.bool else None)
+        if info is None:
+            return reduce_op == pb.MIN
+        return info.max if reduce_op == pb.MIN else info.min
+    return 0

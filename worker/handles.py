@@ -1,0 +1,88 @@
+"""Handles: what async collectives return and ``synchronize``/``poll`` take."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Dict, Optional
+
+from ringmaster.worker.errors import RingmasterError
+
+
+class Handle:
+    """The pending result of one collective (or one group of collectives)."""
+
+    __slots__ = ("id", "name", "_event", "_result", "_error", "_remaining", "_lock", "_finish")
+
+    def __init__(self, handle_id: int, name: str, parts: int = 1, finish=None, as_list: bool = False):
+        self.id = handle_id
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = [None] * parts if as_list else None
+        self._error: Optional[BaseException] = None
+        self._remaining = parts
+        self._lock = threading.Lock()
+        self._finish = finish  # applied once, in the waiting thread, to the result
+
+    def set_result(self, value: Any, part: int = 0) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            if isinstance(self._result, list):
+                self._result[part] = value
+            else:
+                self._result = value
+            self._remaining -= 1
+            if self._remaining == 0:
+                self._event.set()
+
+    def set_error(self, error: BaseException) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._error = error
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> Any:
+        self._event.wait()
+        if self._error is not None:
+            raise type(self._error)(str(self._error)) if isinstance(self._error, RingmasterError) else self._error
+        if self._finish is not None:
+            self._result, self._finish = self._finish(self._result), None
+        return self._result
+
+
+class HandleTable:
+    """Integer handle ids (as Horovod returns them) mapped to :class:`Handle` objects."""
+
+    def __init__(self):
+        self._handles: Dict[int, Handle] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def new(self, name: str, parts: int = 1, finish=None, as_list: bool = False) -> Handle:
+        handle = Handle(next(self._ids), name, parts, finish, as_list)
+        with self._lock:
+            self._handles[handle.id] = handle
+        return handle
+
+    def get(self, handle_id: int) -> Handle:
+        with self._lock:
+            handle = self._handles.get(handle_id)
+        if handle is None:
+            raise ValueError(f"handle {handle_id!r} is unknown or was already synchronized; "
+                             f"pass the value an *_async call returned, once")
+        return handle
+
+    def release(self, handle_id: int) -> None:
+        with self._lock:
+            self._handles.pop(handle_id, None)
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            handles = list(self._handles.values())
+        for handle in handles:
+            handle.set_error(error)

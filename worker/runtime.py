@@ -1,0 +1,213 @@
+"""The per-process runtime behind ``rm.init()``: communicator, coordinator stream, background thread."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+from typing import List, Optional
+
+from ringmaster.common.config import Config, load_config
+from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.worker.bootstrap import CoordinatorEndpoint, find_coordinator
+from ringmaster.worker.client import CoordinatorClient
+from ringmaster.worker.errors import NotInitializedError, RingmasterError
+from ringmaster.worker.executor import Entry, Executor, TensorTable
+from ringmaster.worker.handles import HandleTable
+
+log = logging.getLogger("ringmaster.worker")
+
+
+class Runtime:
+    """Everything one process needs to take part in a job. Build it with :func:`init`."""
+
+    def __init__(self, comm, config: Config):
+        self.config = config
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.local_rank, self.local_size, self.cross_rank, self.cross_size = _topology(comm)
+        self.hostname = socket.gethostname()
+        self.table = TensorTable()
+        self.handles = HandleTable()
+        self.fatal_error: Optional[RingmasterError] = None
+        self._join_lock = threading.Lock()
+        self._join_handle = None
+        self.endpoint: CoordinatorEndpoint = find_coordinator(comm, config)
+        self.executor = Executor(comm, self.table, config.allreduce_algorithm,
+                                 on_join=self._joined, on_fatal=self.fail)
+        self.client = CoordinatorClient(
+            self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
+            config.heartbeat_interval_s, on_responses=self.executor.submit, on_fatal=self.fail)
+        self.executor.start()
+        try:
+            self.welcome = self.client.connect(config.start_timeout_s)
+        except RingmasterError:
+            self.executor.stop(1)
+            raise
+
+    def hosts(self) -> List[str]:
+        return [info.hostname for info in self.welcome.ranks]
+
+    # ----------------------------------------------------------- submitting
+    def submit(self, entries: List[Entry], requests: List[pb.TensorRequest]) -> None:
+        """Put entries in the tensor table and declare them to the coordinator."""
+        self.check_healthy()
+        added = []
+        try:
+            for entry in entries:
+                self.table.add(entry)
+                added.append(entry.name)
+        except ValueError:
+            for name in added:
+                self.table.drop(name)
+            raise
+        self.client.send_requests(requests)
+
+    def submit_join(self, handle) -> None:
+        self.check_healthy()
+        with self._join_lock:
+            if self._join_handle is not None:
+                raise ValueError("join() is already in progress on this rank")
+            self._join_handle = handle
+        self.client.send_requests([pb.TensorRequest(name="join", op_type=pb.JOIN)])
+
+    def _joined(self, last_rank: int) -> None:
+        with self._join_lock:
+            handle, self._join_handle = self._join_handle, None
+        if handle is not None:
+            handle.set_result(last_rank)
+
+    def check_healthy(self) -> None:
+        if self.fatal_error is not None:
+            raise type(self.fatal_error)(str(self.fatal_error))
+
+    # -------------------------------------------------------------- failure
+    def fail(self, error: RingmasterError) -> None:
+        """The job cannot go on: fail every pending and future operation on this rank."""
+        if self.fatal_error is None:
+            self.fatal_error = error
+            log.error("%s", error)
+            print(f"[ringmaster rank {self.rank}] {error}", file=sys.stderr, flush=True)
+        self.handles.fail_all(error)
+
+    # ------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        if self.fatal_error is not None:
+            return
+        self.client.close()
+        stopped = self.executor.stop()
+        self.endpoint.stop()
+        self.handles.fail_all(NotInitializedError("ringmaster was shut down before this operation finished"))
+        if stopped:
+            self.comm.Free()
+
+
+def _topology(comm):
+    """(local_rank, local_size, cross_rank, cross_size) from MPI's view of shared-memory nodes."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
+    result = (local.Get_rank(), local.Get_size(), cross.Get_rank(), cross.Get_size())
+    local.Free()
+    cross.Free()
+    return result
+
+
+# ---------------------------------------------------------------- singleton
+_runtime: Optional[Runtime] = None
+_lock = threading.Lock()
+_unhandled_exception = False
+_exit_hooks_installed = False
+
+
+def init(comm=None) -> None:
+    """Start ringmaster in this process: join the job, reach the coordinator, start the background thread.
+
+    Args:
+        comm: an mpi4py communicator to run on (default ``MPI.COMM_WORLD``); it is duplicated,
+            so the caller's own MPI traffic never mixes with ringmaster's.
+
+    Calling it again while initialized does nothing; after :func:`shutdown` it starts anew.
+    """
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            return
+        import mpi4py
+
+        mpi4py.rc.thread_level = "multiple"
+        from mpi4py import MPI
+
+        config = load_config()
+        logging.getLogger("ringmaster").setLevel(config.log_level)
+        if not logging.getLogger("ringmaster").handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("ringmaster %(levelname)s: %(message)s"))
+            logging.getLogger("ringmaster").addHandler(handler)
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        elif not isinstance(comm, MPI.Comm):
+            raise TypeError(f"init(comm=...) takes an mpi4py communicator, got {type(comm).__name__}")
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise RingmasterError("MPI was initialized without thread support; ringmaster runs collectives "
+                                  "on a background thread: initialize MPI with MPI_THREAD_MULTIPLE "
+                                  "(mpi4py does by default unless mpi4py.rc.thread_level was changed)")
+        _runtime = Runtime(comm.Dup(), config)
+        _install_exit_hooks()
+
+
+def shutdown() -> None:
+    """Leave the job cleanly: finish the stream to the coordinator and stop the background thread."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, None
+    if runtime is not None:
+        runtime.shutdown()
+
+
+def is_initialized() -> bool:
+    """True between :func:`init` and :func:`shutdown`."""
+    return _runtime is not None
+
+
+def runtime() -> Runtime:
+    """The current runtime, or a clear error if :func:`init` has not been called."""
+    current = _runtime
+    if current is None:
+        raise NotInitializedError("ringmaster is not initialized: call ringmaster.init() first")
+    return current
+
+
+def _install_exit_hooks() -> None:
+    """At exit: leave cleanly after a normal end; after a failure, exit without waiting on MPI."""
+    global _exit_hooks_installed
+    if _exit_hooks_installed:
+        return
+    _exit_hooks_installed = True
+    previous_hook = sys.excepthook
+
+    def remember_unhandled(kind, value, traceback):
+        global _unhandled_exception
+        _unhandled_exception = True
+        previous_hook(kind, value, traceback)
+
+    sys.excepthook = remember_unhandled
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    current = _runtime
+    if current is None:
+        return
+    if current.fatal_error is not None or _unhandled_exception:
+        # A collective may be stuck in MPI forever, and MPI_Finalize would wait on it.
+        # Leaving without a goodbye tells the coordinator this rank failed, and it aborts the others.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    shutdown()
