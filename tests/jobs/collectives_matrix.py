@@ -1,0 +1,203 @@
+"""Every collective x dtype x reduction on every rank, checked against a single-process reference.
+
+Run under mpirun/ringrun. Each rank rebuilds every rank's input from a seed, computes the
+expected result locally with torch, and prints one ``FAIL`` line per wrong result, then
+``DONE <cases>``.
+"""
+
+import sys
+
+import torch
+
+import ringmaster as rm
+
+rm.init()
+RANK, SIZE = rm.rank(), rm.size()
+failures = 0
+cases = 0
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
+          torch.uint8, torch.bool]
+OPS = {"Sum": rm.Sum, "Average": rm.Average, "Min": rm.Min, "Max": rm.Max, "Product": rm.Product}
+LENGTHS = [(), (1,), (7,), (1023,), (5, 3)]
+
+
+def check(case, got, expected, dtype):
+    global failures, cases
+    cases += 1
+    got = got.to(torch.float64) if dtype != torch.bool else got
+    expected = expected.to(torch.float64) if dtype != torch.bool else expected
+    if got.shape != expected.shape:
+        failures += 1
+        print(f"FAIL {case}: shape {tuple(got.shape)} != {tuple(expected.shape)}", flush=True)
+        return
+    tolerance = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype)
+    ok = torch.allclose(got, expected, rtol=tolerance, atol=tolerance) if tolerance else torch.equal(got, expected)
+    if not ok:
+        failures += 1
+        print(f"FAIL {case}: max diff {(got.double() - expected.double()).abs().max() if dtype != torch.bool else '-'}"
+              f"\n  got {got.flatten()[:6].tolist()}\n  expected {expected.flatten()[:6].tolist()}", flush=True)
+
+
+def rank_input(rank, shape, dtype, op_name="Sum", salt=0):
+    generator = torch.Generator().manual_seed(1000 * rank + 7 * salt + len(shape))
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=generator) > 0.5
+    if op_name == "Product":  # keep products small and exact enough
+        values = torch.randint(1, 3, shape, generator=generator)
+        return values.to(dtype) if not dtype.is_floating_point else (values.double() * 0.5 + 0.5).to(dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    high = 50 if dtype == torch.uint8 else 1000
+    return torch.randint(0, high, shape, generator=generator).to(dtype)
+
+
+def reference(inputs, op_name, dtype):
+    if dtype == torch.bool:
+        stacked = torch.stack(inputs)
+        return stacked.any(0) if op_name in ("Sum", "Max") else stacked.all(0)
+    stacked = torch.stack([t.double() for t in inputs])
+    result = {"Sum": lambda s: s.sum(0), "Average": lambda s: s.sum(0), "Min": lambda s: s.min(0).values,
+              "Max": lambda s: s.max(0).values, "Product": lambda s: s.prod(0)}[op_name](stacked)
+    if op_name == "Average":
+        result = result / SIZE if dtype.is_floating_point else torch.floor(result / SIZE)
+    if not dtype.is_floating_point:
+        result = result.to(torch.int64).to(dtype)  # wrap like the dtype does (uint8 sums)
+    return result.to(dtype)
+
+
+# ----------------------------------------------------------------- allreduce
+for dtype in DTYPES:
+    for op_name, op in OPS.items():
+        if dtype == torch.bool and op_name == "Average":
+            try:
+                rm.allreduce(torch.ones(2, dtype=torch.bool), op=op)
+                check("bool Average raises", torch.tensor(False), torch.tensor(True), torch.bool)
+            except TypeError:
+                check("bool Average raises", torch.tensor(True), torch.tensor(True), torch.bool)
+            continue
+        for shape in LENGTHS:
+            inputs = [rank_input(r, shape, dtype, op_name) for r in range(SIZE)]
+            expected = reference(inputs, op_name, dtype)
+            got = rm.allreduce(inputs[RANK].clone(), op=op)
+            check(f"allreduce {dtype} {op_name} {shape}", got, expected, dtype)
+            inplace = inputs[RANK].clone()
+            returned = rm.allreduce_(inplace, op=op)
+            check(f"allreduce_ {dtype} {op_name} {shape}", inplace, expected, dtype)
+            check(f"allreduce_ returns its tensor {dtype}", torch.tensor(returned is inplace), torch.tensor(True), torch.bool)
+
+# odd and large lengths, fp32/int64, including lengths below the number of ranks
+for length in [1, 2, 3, 7, 1023, 1_000_003]:
+    for dtype in (torch.float32, torch.int64):
+        inputs = [rank_input(r, (length,), dtype, salt=3) for r in range(SIZE)]
+        check(f"allreduce sum length {length} {dtype}", rm.allreduce(inputs[RANK], op=rm.Sum),
+              reference(inputs, "Sum", dtype), dtype)
+
+# non-contiguous input, in-place into a non-contiguous tensor, prescale/postscale
+base = [torch.arange(24, dtype=torch.float32).reshape(4, 6) * (r + 1) for r in range(SIZE)]
+check("allreduce non-contiguous", rm.allreduce(base[RANK].t(), op=rm.Sum), sum(b.t() for b in base), torch.float32)
+target = base[RANK].clone().t()
+rm.allreduce_(target, op=rm.Sum)
+check("allreduce_ non-contiguous", target, sum(b.t() for b in base), torch.float32)
+check("pre/postscale", rm.allreduce(base[RANK], op=rm.Sum, prescale_factor=0.5, postscale_factor=3.0),
+      sum(base) * 1.5, torch.float32)
+check("average default", rm.allreduce(base[RANK]), sum(base) / SIZE, torch.float32)
+check("average=False is Sum", rm.allreduce(base[RANK], average=False), sum(base), torch.float32)
+
+# ------------------------------------------------- fusion and async handles
+small = [[torch.full((17 + i,), float(r * 100 + i)) for i in range(100)] for r in range(SIZE)]
+handles = [rm.allreduce_async(t, op=rm.Sum, name=f"fused.{i}") for i, t in enumerate(small[RANK])]
+fused = [rm.synchronize(h) for h in handles]
+one_by_one = [rm.allreduce(t, op=rm.Sum, name=f"single.{i}") for i, t in enumerate(small[RANK])]
+for i in range(100):
+    check(f"fused == one by one {i}", fused[i], one_by_one[i], torch.int64)  # exact: integer-valued sums
+    check(f"fused value {i}", fused[i], sum(s[i] for s in small), torch.float32)
+handle = rm.allreduce_async(torch.ones(3), op=rm.Sum)
+rm.synchronize(handle)
+try:
+    rm.poll(handle)
+    check("poll of a synchronized handle raises", torch.tensor(False), torch.tensor(True), torch.bool)
+except ValueError:
+    check("poll of a synchronized handle raises", torch.tensor(True), torch.tensor(True), torch.bool)
+handle = rm.allreduce_async(torch.ones(3), op=rm.Sum)
+while not rm.poll(handle):
+    pass
+check("poll then synchronize", rm.synchronize(handle), torch.full((3,), float(SIZE)), torch.float32)
+
+grouped_inputs = [[torch.full((3,), float(r)), torch.full((2, 2), float(r) * 2), torch.tensor(float(r))]
+                  for r in range(SIZE)]
+grouped = rm.grouped_allreduce(grouped_inputs[RANK], op=rm.Sum)
+for index in range(3):
+    check(f"grouped_allreduce {index}", grouped[index], sum(g[index] for g in grouped_inputs), torch.float32)
+in_place = [t.clone() for t in grouped_inputs[RANK]]
+rm.grouped_allreduce_(in_place, op=rm.Average)
+for index in range(3):
+    check(f"grouped_allreduce_ {index}", in_place[index], sum(g[index] for g in grouped_inputs) / SIZE, torch.float32)
+
+# ----------------------------------------------------------------- allgather
+for dtype in DTYPES:
+    rows = [r + 1 if r != 1 else 0 for r in range(SIZE)]  # rank 1 contributes no rows
+    inputs = [rank_input(r, (rows[r], 3), dtype, salt=5) for r in range(SIZE)]
+    check(f"allgather {dtype}", rm.allgather(inputs[RANK]), torch.cat(inputs), dtype)
+scalars = [torch.tensor(float(r)) for r in range(SIZE)]
+check("allgather 0-d", rm.allgather(scalars[RANK]), torch.stack(scalars), torch.float32)
+
+# ----------------------------------------------------------------- broadcast
+root = SIZE - 1
+for dtype in DTYPES:
+    inputs = [rank_input(r, (4, 5), dtype, salt=9) for r in range(SIZE)]
+    check(f"broadcast {dtype}", rm.broadcast(inputs[RANK], root_rank=root), inputs[root], dtype)
+    mine = inputs[RANK].clone()
+    rm.broadcast_(mine, root_rank=root)
+    check(f"broadcast_ {dtype}", mine, inputs[root], dtype)
+    check(f"broadcast leaves input {dtype}", inputs[RANK], rank_input(RANK, (4, 5), dtype, salt=9), dtype)
+target = torch.zeros(6, 4).t()
+if RANK == 0:
+    target.copy_(torch.arange(24.0).reshape(4, 6))
+rm.broadcast_(target, root_rank=0)
+check("broadcast_ non-contiguous", target, torch.arange(24.0).reshape(4, 6), torch.float32)
+check("broadcast 0-d", rm.broadcast(torch.tensor(float(RANK + 5)), root_rank=0), torch.tensor(5.0), torch.float32)
+
+# ------------------------------------------------------------------ alltoall
+def splits_of(rank):
+    return [(rank + dst) % 3 for dst in range(SIZE)]
+
+
+inputs = [torch.arange(sum(splits_of(r)) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r for r in range(SIZE)]
+output, received = rm.alltoall(inputs[RANK], splits=splits_of(RANK))
+expected_parts = []
+for source in range(SIZE):
+    offsets = [0]
+    for s in splits_of(source):
+        offsets.append(offsets[-1] + s)
+    expected_parts.append(inputs[source][offsets[RANK]:offsets[RANK + 1]])
+check("alltoall splits", output, torch.cat(expected_parts), torch.float32)
+check("alltoall received splits", received, torch.tensor([splits_of(s)[RANK] for s in range(SIZE)]), torch.int32)
+even = [torch.arange(SIZE * 2, dtype=torch.int64) + 10 * r for r in range(SIZE)]
+check("alltoall even", rm.alltoall(even[RANK]), torch.cat([e[2 * RANK:2 * RANK + 2] for e in even]), torch.int64)
+
+# ------------------------------------------------------------- reducescatter
+for rows in (SIZE * 2, SIZE + 1, 1):
+    inputs = [rank_input(r, (rows, 3), torch.float32, salt=rows) for r in range(SIZE)]
+    total = sum(inputs)
+    counts = [rows // SIZE + (1 if r < rows % SIZE else 0) for r in range(SIZE)]
+    start = sum(counts[:RANK])
+    check(f"reducescatter sum rows={rows}", rm.reducescatter(inputs[RANK], op=rm.Sum),
+          total[start:start + counts[RANK]], torch.float32)
+    check(f"reducescatter average rows={rows}", rm.reducescatter(inputs[RANK]),
+          total[start:start + counts[RANK]] / SIZE, torch.float32)
+
+# --------------------------------------------------- errors keep the job alive
+try:
+    rm.allreduce(torch.ones(3 + RANK), name="mismatched")
+    check("mismatch raises", torch.tensor(False), torch.tensor(True), torch.bool)
+except rm.TensorMismatchError as error:
+    message = str(error)
+    check("mismatch names tensor and ranks", torch.tensor("'mismatched'" in message and "rank 1" in message),
+          torch.tensor(True), torch.bool)
+check("next op after mismatch", rm.allreduce(torch.ones(2), op=rm.Sum), torch.full((2,), float(SIZE)), torch.float32)
+
+rm.barrier()
+print(f"DONE {cases} cases, {failures} failures", flush=True)
+rm.shutdown()
+sys.exit(1 if failures else 0)

@@ -1,0 +1,54 @@
+"""Every collective, dtype and reduction on real mpirun jobs of 2 and 4 ranks vs a torch reference."""
+
+import pathlib
+
+import pytest
+from mpijob import mpirun
+
+MATRIX = (pathlib.Path(__file__).parent / "jobs" / "collectives_matrix.py").read_text()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("np,algorithm", [(2, "ring"), (2, "mpi"), (4, "auto")])
+def test_collectives_match_the_single_process_reference(np, algorithm):
+    result = mpirun(np, MATRIX, timeout=200, env={"RINGMASTER_ALLREDUCE": algorithm})
+    failures = [line for line in result.output.splitlines() if line.startswith(("FAIL", "  got", "  expected"))]
+    assert not failures, "\n".join(failures[:40])
+    done = [line for line in result.stdout.splitlines() if line.startswith("DONE")]
+    assert len(done) == np, result.output[-4000:]
+    assert all(" 0 failures" in line for line in done)
+    assert result.returncode == 0, result.output[-4000:]
+
+
+@pytest.mark.timeout(60)
+def test_readme_example_prints_the_sum_on_both_ranks():
+    result = mpirun(2, """
+        import ringmaster as rm, torch
+        rm.init()
+        print(rm.rank(), rm.allreduce(torch.ones(3) * (rm.rank() + 1), op=rm.Sum))
+    """, timeout=50)
+    assert result.returncode == 0, result.output
+    assert sorted(result.stdout.split("\n")[:2]) == ["0 tensor([3., 3., 3.])", "1 tensor([3., 3., 3.])"]
+
+
+@pytest.mark.timeout(90)
+def test_init_after_shutdown_and_topology():
+    result = mpirun(2, """
+        import ringmaster as rm, torch
+        for attempt in range(2):
+            rm.init()
+            assert rm.is_initialized()
+            value = rm.allreduce(torch.tensor([float(rm.rank())]), op=rm.Sum).item()
+            print("ROUND", attempt, rm.rank(), rm.size(), rm.local_rank(), rm.local_size(),
+                  rm.cross_rank(), rm.cross_size(), value, flush=True)
+            rm.shutdown()
+            assert not rm.is_initialized()
+        try:
+            rm.rank()
+        except ValueError as error:
+            print("AFTER", type(error).__name__, error)
+    """, timeout=80)
+    assert result.returncode == 0, result.output
+    rounds = sorted(result.lines_starting("ROUND"))
+    assert rounds == ["0 0 2 0 2 0 1 1.0", "0 1 2 1 2 0 1 1.0", "1 0 2 0 2 0 1 1.0", "1 1 2 1 2 0 1 1.0"]
+    assert "NotInitializedError ringmaster is not initialized: call ringmaster.init() first" in result.stdout

@@ -1,0 +1,116 @@
+"""Failures end as clear errors on every rank and a non-zero exit, never as a hang."""
+
+import time
+
+import pytest
+from mpijob import mpirun
+
+from ringmaster.common.config import Config
+from ringmaster.coordinator.server import Coordinator
+
+
+def run_timed(np, script, env=None, timeout=60):
+    start = time.monotonic()
+    result = mpirun(np, script, timeout=timeout, env=env)
+    return result, time.monotonic() - start
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("death", ["os._exit(1)", "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_a_dying_rank_ends_the_job_within_30s_naming_it(death):
+    result, seconds = run_timed(2, f"""
+        import os, signal, time, torch, ringmaster as rm
+        rm.init()
+        rm.allreduce(torch.ones(4))
+        if rm.rank() == 1:
+            {death}
+        time.sleep(0.5)
+        rm.allreduce(torch.ones(4), name="after-death")
+        print("UNREACHABLE")
+    """, timeout=80)
+    assert result.returncode != 0
+    assert seconds < 30, f"took {seconds:.0f} s"
+    assert "UNREACHABLE" not in result.stdout
+    assert "rank 1" in result.output, result.output[-3000:]
+
+
+@pytest.mark.timeout(90)
+def test_a_stall_warning_names_the_missing_rank():
+    result, _ = run_timed(2, """
+        import time, torch, ringmaster as rm
+        rm.init()
+        if rm.rank() == 1:
+            time.sleep(4)
+        print("RESULT", rm.allreduce(torch.ones(2), name="late.tensor", op=rm.Sum).tolist(), flush=True)
+    """, env={"RINGMASTER_STALL_WARNING_S": "1"}, timeout=80)
+    assert result.returncode == 0, result.output
+    assert "stall: tensor 'late.tensor'" in result.output
+    assert "ranks [1]" in result.output and "have not submitted it" in result.output
+    assert result.lines_starting("RESULT") == ["[2.0, 2.0]", "[2.0, 2.0]"]
+
+
+@pytest.mark.timeout(90)
+def test_a_stall_longer_than_the_shutdown_limit_aborts_the_job():
+    result, seconds = run_timed(2, """
+        import time, torch, ringmaster as rm
+        rm.init()
+        if rm.rank() == 1:
+            time.sleep(60)
+        try:
+            rm.allreduce(torch.ones(2), name="never")
+        except rm.StalledTensorError as error:
+            print("STALLED", error, flush=True)
+            raise
+    """, env={"RINGMASTER_STALL_WARNING_S": "1", "RINGMASTER_STALL_SHUTDOWN_S": "3"}, timeout=80)
+    assert result.returncode != 0
+    assert seconds < 30
+    assert "STALLED" in result.stdout and "'never'" in result.stdout and "ranks [1]" in result.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_rank_is_detected_by_missing_heartbeats():
+    result, seconds = run_timed(2, """
+        import os, signal, torch, ringmaster as rm
+        rm.init()
+        if rm.rank() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        try:
+            rm.allreduce(torch.ones(2), name="waits")
+        except rm.RankFailedError as error:
+            print("FAILED", error, flush=True)
+            raise
+    """, env={"RINGMASTER_HEARTBEAT_TIMEOUT_S": "3", "RINGMASTER_HEARTBEAT_INTERVAL_S": "0.5"}, timeout=80)
+    assert result.returncode != 0
+    assert seconds < 30
+    assert "FAILED" in result.stdout and "rank 1" in result.stdout and "heartbeat" in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_with_the_wrong_token_is_refused():
+    coordinator = Coordinator(1, "the-right-secret", Config(), "127.0.0.1", 0).start()
+    try:
+        result = mpirun(1, """
+            import ringmaster as rm
+            try:
+                rm.init()
+            except rm.CoordinatorUnreachableError as error:
+                print("REFUSED", error, flush=True)
+        """, env={"RINGMASTER_COORDINATOR_ADDR": coordinator.address, "RINGMASTER_SECRET": "a-wrong-secret"},
+            timeout=50)
+    finally:
+        coordinator.stop(grace=0)
+    assert "REFUSED" in result.stdout, result.output
+    assert "refused this rank's token" in result.stdout
+    assert "the-right-secret" not in result.output and "a-wrong-secret" not in result.output
+
+
+@pytest.mark.timeout(60)
+def test_collectives_before_init_raise_a_clear_error():
+    result = mpirun(1, """
+        import torch, ringmaster as rm
+        try:
+            rm.allreduce(torch.ones(1))
+        except rm.NotInitializedError as error:
+            print("ERROR", error)
+    """, timeout=50)
+    assert "ERROR ringmaster is not initialized: call ringmaster.init() first" in result.stdout
