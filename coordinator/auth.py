@@ -14,7 +14,11 @@ def call_metadata(secret: str):
     return ((TOKEN_METADATA_KEY, secret),)
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
+REFUSAL = ("missing or wrong ringmaster job token: only ranks of this job may call "
+           "the coordinator (they receive the token in RINGMASTER_SECRET)")
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses, with ``UNAUTHENTICATED``, every call whose token is missing or wrong.
 
     The comparison is constant-time; the expected token is never logged or echoed.
@@ -25,18 +29,16 @@ class TokenInterceptor(grpc.ServerInterceptor):
             raise ValueError("the coordinator needs a non-empty job secret (RINGMASTER_SECRET)")
         self._secret = secret.encode()
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         offered = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_METADATA_KEY, "")
+        handler = await continuation(handler_call_details)
         if hmac.compare_digest(offered.encode(), self._secret):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
+            return handler
         return _refusing_handler(handler)
 
 
-def _refuse(request_or_iterator, context):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                  "missing or wrong ringmaster job token: only ranks of this job may call "
-                  "the coordinator (they receive the token in RINGMASTER_SECRET)")
+async def _refuse(request_or_iterator, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
 
 def _refusing_handler(handler):

@@ -81,6 +81,10 @@ def _start_coordinator(size: int, config: Config, single_host: bool) -> Coordina
         [sys.executable, "-m", "ringmaster.coordinator", "--size", str(size), "--bind", bind,
          "--advertise", advertise, "--address-file", address_file, "--exit-on-stdin-eof"],
         stdin=subprocess.PIPE, env=environment, close_fds=True,
+        # Its own session: when a rank dies, mpirun kills rank 0's process group at once, and the
+        # coordinator must outlive that long enough to say which rank failed. It still exits
+        # when rank 0 does, because its stdin (a pipe from rank 0) closes.
+        start_new_session=True,
     )
     deadline = time.monotonic() + config.start_timeout_s
     while time.monotonic() < deadline:

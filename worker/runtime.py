@@ -91,7 +91,6 @@ class Runtime:
         if self.fatal_error is None:
             self.fatal_error = error
             log.error("%s", error)
-            print(f"[ringmaster rank {self.rank}] {error}", file=sys.stderr, flush=True)
         self.handles.fail_all(error)
 
     # ------------------------------------------------------------- shutdown
