@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from typing import Callable, Optional
 
@@ -14,10 +13,9 @@ from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
 from ringmaster.worker.errors import (CoordinatorUnreachableError, RankFailedError, RingmasterError,
                                      StalledTensorError)
+from ringmaster.worker.outbox import END, Outbox
 
 log = logging.getLogger("ringmaster.worker")
-
-_END = object()
 
 ABORT_ERRORS = {
     pb.RANK_FAILED: RankFailedError,
@@ -39,20 +37,19 @@ class CoordinatorClient:
         address: ``host:port`` of the coordinator.
         secret: the job token.
         rank, size, hostname, pid: this rank's registration.
-        heartbeat_interval_s: a heartbeat goes out whenever the stream was idle this long.
+        outbox: batches what this rank sends (requests, heartbeats, goodbye).
         on_responses: called (on the receiver thread) with each :class:`pb.ResponseList`.
         on_fatal: called once with the exception that ends the job (abort, lost coordinator).
     """
 
     def __init__(self, address: str, secret: str, rank: int, size: int, hostname: str, pid: int,
-                 heartbeat_interval_s: float, on_responses: Callable, on_fatal: Callable):
+                 outbox: Outbox, on_responses: Callable, on_fatal: Callable):
         self.address = address
         self.rank = rank
         self._registration = pb.Register(rank=rank, size=size, hostname=hostname, pid=pid)
-        self._heartbeat_interval_s = heartbeat_interval_s
         self._on_responses = on_responses
         self._on_fatal = on_fatal
-        self._outgoing: "queue.Queue" = queue.Queue()
+        self.outbox = outbox
         self._welcome = threading.Event()
         self._welcome_message: Optional[pb.Welcome] = None
         self._start_error: Optional[RingmasterError] = None
@@ -78,8 +75,8 @@ class CoordinatorClient:
                 f"rank {self.rank} could not reach the ringmaster coordinator at {self.address} within "
                 f"{timeout_s:g} s (RINGMASTER_START_TIMEOUT): is it running, and is the address reachable "
                 f"from this host?") from None
-        self._outgoing.put(pb.RankMessage(register=self._registration))
-        self._call = self._stub.Negotiate(self._requests(), metadata=self._metadata)
+        self.outbox.put_control(pb.RankMessage(register=self._registration))
+        self._call = self._stub.Negotiate(self.outbox.messages(), metadata=self._metadata)
         self._receiver.start()
         if not self._welcome.wait(timeout_s + 5):
             self.close()
@@ -89,39 +86,6 @@ class CoordinatorClient:
         if self._start_error is not None:
             raise self._start_error
         return self._welcome_message
-
-    # ------------------------------------------------------------ outgoing
-    def send_requests(self, requests) -> None:
-        self._outgoing.put(pb.RankMessage(requests=pb.RequestList(requests=requests)))
-
-    def _requests(self):
-        """The request stream: whatever is queued goes out as one message; idle means heartbeat."""
-        while True:
-            try:
-                message = self._outgoing.get(timeout=self._heartbeat_interval_s)
-            except queue.Empty:
-                yield pb.RankMessage(heartbeat=pb.Heartbeat())
-                continue
-            if message is _END:
-                return
-            if message.WhichOneof("kind") == "requests":
-                message = self._merge_queued(message)
-                if message is _END:
-                    return
-            yield message
-
-    def _merge_queued(self, message):
-        """Pack requests queued meanwhile into the same message (fewer, larger messages)."""
-        while True:
-            try:
-                more = self._outgoing.get_nowait()
-            except queue.Empty:
-                return message
-            if more is _END or more.WhichOneof("kind") != "requests":
-                # Keep order: send what we have, then the other message.
-                self._outgoing.queue.appendleft(more)
-                return message
-            message.requests.requests.extend(more.requests.requests)
 
     # ------------------------------------------------------------ incoming
     def _receive(self) -> None:
@@ -163,8 +127,8 @@ class CoordinatorClient:
         """Say goodbye (a clean shutdown, not a failure) and close the stream."""
         self._closing = True
         if self._call is not None:
-            self._outgoing.put(pb.RankMessage(goodbye=pb.Goodbye()))
-            self._outgoing.put(_END)
+            self.outbox.put_control(pb.RankMessage(goodbye=pb.Goodbye()))
+            self.outbox.put_control(END)
             if self._receiver.is_alive():
                 self._receiver.join(timeout_s)
             self._call.cancel()

@@ -93,7 +93,7 @@ def _output_for(tensor: torch.Tensor, in_place: bool):
 
 # ----------------------------------------------------------------- allreduce
 def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, prescale_factor,
-                       postscale_factor, in_place: bool, what: str, single: bool) -> int:
+                       postscale_factor, in_place: bool, what: str, single: bool, flush: bool = False) -> int:
     op = _resolve_op(average, op, what)
     state = runtime()
     if not single and not tensors:
@@ -116,7 +116,7 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
                                  prescale_factor=float(prescale_factor),
                                  postscale_factor=float(postscale_factor),
                                  group=group, group_size=0 if single else len(tensors)))
-    state.submit(entries, requests)
+    state.submit(entries, requests, flush)
     return handle.id
 
 
@@ -132,7 +132,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Allreduce ``tensor`` over all ranks and return the result as a new tensor."""
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(_grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
+                                          False, "allreduce", single=True, flush=True))
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
@@ -143,7 +144,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """In-place :func:`allreduce`; returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(_grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
+                                          True, "allreduce_", single=True, flush=True))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -155,7 +157,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Allreduce a list of tensors as one group; returns the list of results."""
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(_grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
+                                          False, "grouped_allreduce", single=False, flush=True))
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -167,19 +170,20 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """In-place :func:`grouped_allreduce`; returns the list of tensors."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(_grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
+                                          True, "grouped_allreduce_", single=False, flush=True))
 
 
 # ----------------------------------------------------- data-moving collectives
 def _submit_single(kind: str, op_type: int, tensor, name, output=None, copy_back=None, finish=None,
-                   **fields) -> int:
+                   flush: bool = False, **fields) -> int:
     state = runtime()
     _check_tensor(tensor, kind)
     name = _auto_name(kind, name)
     source = tensor if tensor.is_contiguous() else tensor.contiguous()
     handle = state.handles.new(name, finish=finish)
     entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back)
-    state.submit([entry], [_request(name, op_type, source, **fields)])
+    state.submit([entry], [_request(name, op_type, source, **fields)], flush)
     return handle.id
 
 
@@ -286,7 +290,7 @@ def barrier() -> None:
     name = _auto_name("barrier", None)
     handle = state.handles.new(name)
     empty = torch.empty(0)
-    state.submit([Entry(name, pb.BARRIER, empty, handle)], [_request(name, pb.BARRIER, empty)])
+    state.submit([Entry(name, pb.BARRIER, empty, handle)], [_request(name, pb.BARRIER, empty)], flush=True)
     synchronize(handle.id)
 
 
@@ -304,13 +308,17 @@ def join(device=-1) -> int:
 
 def poll(handle: int) -> bool:
     """True when the operation behind ``handle`` has finished (successfully or not)."""
-    return runtime().handles.get(handle).done()
+    state = runtime()
+    entry = state.handles.get(handle)
+    state.outbox.flush()  # a caller polling wants the result: don't leave its request waiting a cycle
+    return entry.done()
 
 
 def synchronize(handle: int):
     """Wait for the operation behind ``handle`` and return its result (raises its error)."""
     state = runtime()
     entry = state.handles.get(handle)
+    state.outbox.flush()
     try:
         return entry.wait()
     finally:

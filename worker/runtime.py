@@ -17,6 +17,7 @@ from ringmaster.worker.client import CoordinatorClient
 from ringmaster.worker.errors import NotInitializedError, RingmasterError
 from ringmaster.worker.executor import Entry, Executor, TensorTable
 from ringmaster.worker.handles import HandleTable
+from ringmaster.worker.outbox import Outbox
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -39,9 +40,10 @@ class Runtime:
         self.endpoint: CoordinatorEndpoint = find_coordinator(comm, config)
         self.executor = Executor(comm, self.table, config.allreduce_algorithm,
                                  on_join=self._joined, on_fatal=self.fail)
+        self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s)
         self.client = CoordinatorClient(
             self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
-            config.heartbeat_interval_s, on_responses=self.executor.submit, on_fatal=self.fail)
+            self.outbox, on_responses=self.executor.submit, on_fatal=self.fail)
         self.executor.start()
         try:
             self.welcome = self.client.connect(config.start_timeout_s)
@@ -53,8 +55,12 @@ class Runtime:
         return [info.hostname for info in self.welcome.ranks]
 
     # ----------------------------------------------------------- submitting
-    def submit(self, entries: List[Entry], requests: List[pb.TensorRequest]) -> None:
-        """Put entries in the tensor table and declare them to the coordinator."""
+    def submit(self, entries: List[Entry], requests: List[pb.TensorRequest], flush: bool = False) -> None:
+        """Put entries in the tensor table and declare them to the coordinator.
+
+        ``flush`` sends at once (the caller waits next); otherwise requests travel with the
+        next flush or after one cycle, batched with whatever else was submitted meanwhile.
+        """
         self.check_healthy()
         added = []
         try:
@@ -65,7 +71,7 @@ class Runtime:
             for name in added:
                 self.table.drop(name)
             raise
-        self.client.send_requests(requests)
+        self.outbox.add(requests, flush)
 
     def submit_join(self, handle) -> None:
         self.check_healthy()
@@ -73,7 +79,7 @@ class Runtime:
             if self._join_handle is not None:
                 raise ValueError("join() is already in progress on this rank")
             self._join_handle = handle
-        self.client.send_requests([pb.TensorRequest(name="join", op_type=pb.JOIN)])
+        self.outbox.add([pb.TensorRequest(name="join", op_type=pb.JOIN)], flush=True)
 
     def _joined(self, last_rank: int) -> None:
         with self._join_lock:

@@ -1,0 +1,89 @@
+"""What a rank sends the coordinator, batched so that a burst of requests costs one wake-up.
+
+Requests accumulate without waking the sending thread for each one. They go out when the
+caller flushes (it is about to wait on a handle, or made a synchronous call), or at the
+latest one cycle after the first of them arrived, the case of gradient hooks firing during
+a backward pass. An idle stream carries a heartbeat every ``heartbeat_interval_s``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import List, Optional
+
+from ringmaster.proto import ringmaster_pb2 as pb
+
+END = object()  # ends the request stream
+
+
+class Outbox:
+    """Requests and control messages on their way to the coordinator, in order.
+
+    Args:
+        cycle_time_s: longest a request waits for more to join it when nobody flushes.
+        heartbeat_interval_s: an idle stream sends a heartbeat this often.
+    """
+
+    def __init__(self, cycle_time_s: float, heartbeat_interval_s: float):
+        self._cycle_time_s = cycle_time_s
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._condition = threading.Condition()
+        self._pending: List[pb.TensorRequest] = []
+        self._first_pending_at = 0.0
+        self._flush = False
+        self._control: "collections.deque" = collections.deque()
+
+    def add(self, requests: List[pb.TensorRequest], flush: bool) -> None:
+        """Queue requests; ``flush`` sends them (and everything queued) without waiting for the cycle."""
+        with self._condition:
+            was_idle = not self._pending
+            self._pending.extend(requests)
+            if was_idle:
+                self._first_pending_at = time.monotonic()
+            if flush and not self._flush:
+                self._flush = True
+                self._condition.notify()
+            elif was_idle:
+                self._condition.notify()  # starts the cycle timer of the sending thread
+
+    def flush(self) -> None:
+        """Send what is queued now: the caller is about to wait for it."""
+        with self._condition:
+            if self._pending and not self._flush:
+                self._flush = True
+                self._condition.notify()
+
+    def put_control(self, message) -> None:
+        """Queue a registration, goodbye or :data:`END`; queued requests go out first."""
+        with self._condition:
+            if self._pending:
+                self._flush = True
+            self._control.append(message)
+            self._condition.notify()
+
+    def messages(self):
+        """The request stream gRPC consumes (runs on gRPC's sending thread)."""
+        while True:
+            message = self._next_message()
+            if message is END:
+                return
+            yield message
+
+    def _next_message(self) -> Optional[object]:
+        with self._condition:
+            while True:
+                if self._pending and (self._flush or self._control or self._cycle_over()):
+                    requests, self._pending, self._flush = self._pending, [], False
+                    return pb.RankMessage(requests=pb.RequestList(requests=requests))
+                if self._control:
+                    return self._control.popleft()
+                if self._pending:
+                    self._condition.wait(max(0.0, self._first_pending_at + self._cycle_time_s - time.monotonic()))
+                elif not self._condition.wait(self._heartbeat_interval_s):
+                    if not (self._pending or self._control):
+                        return pb.RankMessage(heartbeat=pb.Heartbeat())
+
+    def _cycle_over(self) -> bool:
+        return time.monotonic() >= self._first_pending_at + self._cycle_time_s
