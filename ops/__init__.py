@@ -1,0 +1,31 @@
+"""Collectives over an mpi4py communicator and contiguous 1-D NumPy arrays.
+
+Plain functions, no state beyond reusable scratch: every rank calls a collective with
+matching arguments, in the same order, as with MPI itself.
+
+* :func:`allreduce` — in place; the ring or MPI_Allreduce, by measured message size.
+* :func:`ring_allreduce` — the pipelined ring (scatter-reduce + allgather), in place.
+* :func:`mpi_allreduce` — ``MPI_Allreduce(MPI_IN_PLACE, ...)``.
+* :func:`allgatherv`, :func:`broadcast`, :func:`alltoallv`, :func:`reducescatter`.
+
+Supported dtypes: float16, float32, float64, int32, int64, uint8, bool; ops: "sum",
+"min", "max", "prod" (on bool: sum/max = logical or, prod/min = logical and).
+"""
+
+from .allreduce import allreduce, choose_algorithm
+from .dtypes import SUPPORTED_DTYPES, SUPPORTED_OPS
+from .mpi_collectives import allgatherv, alltoallv, broadcast, mpi_allreduce, reducescatter
+from .ring import ring_allreduce
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_OPS",
+    "allgatherv",
+    "allreduce",
+    "alltoallv",
+    "broadcast",
+    "choose_algorithm",
+    "mpi_allreduce",
+    "reducescatter",
+    "ring_allreduce",
+]

@@ -1,0 +1,157 @@
+"""Thin, checked wrappers over MPI's own buffer-based collectives.
+
+Each function checks its arguments locally, then makes one uppercase mpi4py call with
+explicit MPI datatypes from :mod:`ringmaster.ops.dtypes`. Arguments that must agree
+across ranks (lengths, dtypes, ops, counts, root) are documented per function; they
+cannot be checked without extra communication.
+
+Reductions follow :func:`ringmaster.ops.dtypes.mpi_reduction`: bool is reduced as
+uint8 bytes with max/min; float16 is upcast to float32 and uint8 sums to uint32 (a
+temporary wider copy of the data), reduced by MPI and converted back once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _checks
+from .dtypes import mpi_datatype, mpi_reduction
+
+_INT_MAX = np.iinfo(np.int32).max
+
+
+def _check_addressable(array: np.ndarray, name: str, function: str) -> None:
+    if array.size > _INT_MAX:
+        raise ValueError(f"{function}: {name} has {array.size} elements, more than MPI's "
+                         f"2**31-1 count limit; split it or use ring_allreduce")
+
+
+def _displacements(counts: np.ndarray) -> np.ndarray:
+    displs = np.zeros_like(counts)
+    np.cumsum(counts[:-1], out=displs[1:])
+    return displs
+
+
+def mpi_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum") -> np.ndarray:
+    """Allreduce ``buffer`` in place with ``MPI_Allreduce(MPI_IN_PLACE, ...)``; return it.
+
+    Every rank passes the same length, dtype and op. float16 is reduced in float32 and
+    rounded back, uint8 sums in uint32; bool as uint8 bytes (see the module docstring).
+    """
+    name = "mpi_allreduce"
+    _checks.check_comm(comm, name)
+    _checks.check_array(buffer, "buffer", name, writable=True)
+    _checks.check_op(op, name)
+    _check_addressable(buffer, "buffer", name)
+    if comm.Get_size() == 1 or buffer.size == 0:
+        return buffer
+    reduction = mpi_reduction(buffer.dtype, op)
+    if reduction.cast:
+        wide = buffer.astype(reduction.dtype)
+        comm.Allreduce(MPI.IN_PLACE, [wide, reduction.datatype], reduction.op)
+        # float16: out of range is inf, as in the ring; uint8: wraps modulo 256.
+        with np.errstate(over="ignore"):
+            np.copyto(buffer, wide, casting="same_kind")
+    else:
+        comm.Allreduce(MPI.IN_PLACE, [buffer.view(reduction.dtype), reduction.datatype], reduction.op)
+    return buffer
+
+
+def allgatherv(comm: MPI.Comm, sendbuf: np.ndarray, counts) -> np.ndarray:
+    """Concatenate every rank's ``sendbuf`` in rank order; return the new array.
+
+    ``counts[i]`` is rank i's element count (zero allowed); every rank passes the same
+    counts and dtype, and ``sendbuf.size == counts[rank]``.
+    """
+    name = "allgatherv"
+    _checks.check_comm(comm, name)
+    _checks.check_array(sendbuf, "sendbuf", name)
+    counts = _checks.check_counts(counts, "counts", comm, name)
+    rank = comm.Get_rank()
+    if sendbuf.size != counts[rank]:
+        raise ValueError(f"{name}: sendbuf has {sendbuf.size} elements but counts[{rank}] "
+                         f"(this rank) is {counts[rank]}; they must be equal")
+    total = int(counts.sum())
+    if total > _INT_MAX:
+        raise ValueError(f"{name}: the result would have {total} elements, more than MPI's "
+                         f"2**31-1 limit; gather in parts")
+    recvbuf = np.empty(total, sendbuf.dtype)
+    datatype = mpi_datatype(sendbuf.dtype)
+    comm.Allgatherv([sendbuf, datatype], [recvbuf, (counts, _displacements(counts)), datatype])
+    return recvbuf
+
+
+def broadcast(comm: MPI.Comm, buffer: np.ndarray, root: int = 0) -> np.ndarray:
+    """Overwrite ``buffer`` on every rank with root's ``buffer``, in place; return it.
+
+    Every rank passes the same length, dtype and root.
+    """
+    name = "broadcast"
+    _checks.check_comm(comm, name)
+    _checks.check_array(buffer, "buffer", name, writable=True)
+    _checks.check_root(root, comm, name)
+    _check_addressable(buffer, "buffer", name)
+    comm.Bcast([buffer, mpi_datatype(buffer.dtype)], root=root)
+    return buffer
+
+
+def alltoallv(comm: MPI.Comm, sendbuf: np.ndarray, sendcounts, recvcounts) -> np.ndarray:
+    """Personalized all-to-all: rank r's part i goes to rank i; return the received parts.
+
+    ``sendbuf`` is the concatenation of the parts for ranks 0..N-1, of ``sendcounts``
+    elements each; ``recvcounts[i]`` is how many elements arrive from rank i, so rank j's
+    ``recvcounts[i]`` must equal rank i's ``sendcounts[j]``. The result concatenates the
+    parts from ranks 0..N-1.
+    """
+    name = "alltoallv"
+    _checks.check_comm(comm, name)
+    _checks.check_array(sendbuf, "sendbuf", name)
+    sendcounts = _checks.check_counts(sendcounts, "sendcounts", comm, name)
+    recvcounts = _checks.check_counts(recvcounts, "recvcounts", comm, name)
+    if int(sendcounts.sum()) != sendbuf.size:
+        raise ValueError(f"{name}: sendcounts sum to {int(sendcounts.sum())} but sendbuf has "
+                         f"{sendbuf.size} elements; they must be equal")
+    _check_addressable(sendbuf, "sendbuf", name)
+    total = int(recvcounts.sum())
+    if total > _INT_MAX:
+        raise ValueError(f"{name}: recvcounts sum to {total}, more than MPI's 2**31-1 limit")
+    recvbuf = np.empty(total, sendbuf.dtype)
+    datatype = mpi_datatype(sendbuf.dtype)
+    comm.Alltoallv([sendbuf, (sendcounts, _displacements(sendcounts)), datatype],
+                   [recvbuf, (recvcounts, _displacements(recvcounts)), datatype])
+    return recvbuf
+
+
+def reducescatter(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", counts=None) -> np.ndarray:
+    """Reduce ``buffer`` across ranks and return this rank's part of the result.
+
+    The reduced array is split in rank order into parts of ``counts[i]`` elements (zero
+    allowed; ``sum(counts) == buffer.size``); rank i gets part i as a new array.
+    ``counts=None`` means ``np.array_split`` sizes. ``buffer`` is not modified. Every
+    rank passes the same length, dtype, op and counts.
+    """
+    name = "reducescatter"
+    _checks.check_comm(comm, name)
+    _checks.check_array(buffer, "buffer", name)
+    _checks.check_op(op, name)
+    size = comm.Get_size()
+    if counts is None:
+        quotient, remainder = divmod(buffer.size, size)
+        counts = [quotient + (i < remainder) for i in range(size)]
+    counts = _checks.check_counts(counts, "counts", comm, name)
+    if int(counts.sum()) != buffer.size:
+        raise ValueError(f"{name}: counts sum to {int(counts.sum())} but buffer has "
+                         f"{buffer.size} elements; they must be equal")
+    _check_addressable(buffer, "buffer", name)
+    mine = int(counts[comm.Get_rank()])
+    if size == 1:
+        return buffer.copy()
+    reduction = mpi_reduction(buffer.dtype, op)
+    source = buffer.astype(reduction.dtype) if reduction.cast else buffer.view(reduction.dtype)
+    result = np.empty(mine, reduction.dtype)
+    comm.Reduce_scatter([source, reduction.datatype], [result, reduction.datatype], counts, reduction.op)
+    if reduction.cast:
+        with np.errstate(over="ignore"):
+            return result.astype(buffer.dtype)
+    return result.view(buffer.dtype)
