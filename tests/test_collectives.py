@@ -52,3 +52,28 @@ def test_init_after_shutdown_and_topology():
     rounds = sorted(result.lines_starting("ROUND"))
     assert rounds == ["0 0 2 0 2 0 1 1.0", "0 1 2 1 2 0 1 1.0", "1 0 2 0 2 0 1 1.0", "1 1 2 1 2 0 1 1.0"]
     assert "NotInitializedError ringmaster is not initialized: call ringmaster.init() first" in result.stdout
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np", [2, 4])
+def test_join_lets_ranks_with_less_data_finish_without_hanging(np):
+    result = mpirun(np, """
+        import torch, ringmaster as rm
+        rm.init()
+        rank, size = rm.rank(), rm.size()
+        steps = 2 + rank                      # uneven data: the last rank has the most batches
+        for step in range(steps):
+            total = rm.allreduce(torch.tensor([1.0, float(rank)]), op=rm.Sum, name=f"step.{step}")
+            gathered = rm.allgather(torch.full((1,), float(rank)), name=f"gather.{step}")
+            maximum = rm.allreduce(torch.tensor([float(rank)]), op=rm.Min, name=f"min.{step}")
+            active = [r for r in range(size) if 2 + r > step]
+            assert total.tolist() == [len(active), sum(active)], (step, total)
+            assert gathered.tolist() == [float(r) for r in active], (step, gathered)
+            assert maximum.item() == min(active), (step, maximum)
+        last = rm.join()
+        print("JOINED", rank, last, flush=True)
+        print("AFTER", rm.allreduce(torch.ones(1), op=rm.Sum).item(), flush=True)
+    """, timeout=80)
+    assert result.returncode == 0, result.output[-3000:]
+    assert sorted(result.lines_starting("JOINED")) == [f"{r} {np - 1}" for r in range(np)]
+    assert result.lines_starting("AFTER") == [str(float(np))] * np
