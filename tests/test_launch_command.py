@@ -1,7 +1,9 @@
 """Unit tests of what ringrun builds: arguments, environment, MPI command lines, output tags."""
 
 import io
+import os
 import shlex
+import sys
 
 import pytest
 
@@ -287,16 +289,68 @@ def test_retag_openmpi_and_mpich():
     assert (line.rank, line.relayed) == (12, b"[12]: hi\n")
 
 
+def _pipe_with(data):
+    read_end, write_end = os.pipe()
+    os.write(write_end, data)
+    os.close(write_end)
+    return os.fdopen(read_end, "rb")
+
+
 def test_output_relay_writes_rank_files(tmp_path):
     relay = output.OutputRelay(OPENMPI, str(tmp_path))
-    stdout = io.BytesIO(b"[1,0]<stdout>: a\n[1,1]<stdout>: b\nlauncher says\n")
-    stderr = io.BytesIO(b"[1,1]<stderr>: c\n")
+    stdout = _pipe_with(b"[1,0]<stdout>: a\n[1,1]<stdout>: b\nlauncher says\n[1,0]<stdout>: no newline")
+    stderr = _pipe_with(b"[1,1]<stderr>: c\n")
     out, err = io.BytesIO(), io.BytesIO()
-    out.close = err.close = lambda: None
-    relay.start(stdout, stderr, out, err)
-    relay.join()
-    assert out.getvalue() == b"[0]: a\n[1]: b\nlauncher says\n"
+    relay.attach(stdout, stderr, out, err)
+    relay.drain(timeout=5)
+    relay.close()
+    assert not relay.open
+    assert out.getvalue() == b"[0]: a\n[1]: b\nlauncher says\n[0]: no newline"
     assert err.getvalue() == b"[1]: c\n"
-    assert (tmp_path / "rank.0" / "stdout").read_bytes() == b"a\n"
+    assert (tmp_path / "rank.0" / "stdout").read_bytes() == b"a\nno newline"
     assert (tmp_path / "rank.1" / "stdout").read_bytes() == b"b\n"
     assert (tmp_path / "rank.1" / "stderr").read_bytes() == b"c\n"
+
+
+def test_output_relay_survives_a_closed_sink():
+    class Closed(io.BytesIO):
+        def write(self, data):
+            raise BrokenPipeError
+
+    relay = output.OutputRelay(OPENMPI)
+    relay.attach(_pipe_with(b"[1,0]<stdout>: x\n" * 2000), _pipe_with(b""), Closed(), io.BytesIO())
+    relay.drain(timeout=5)  # keeps reading to the end, so the launcher never blocks on a full pipe
+    assert not relay.open
+    relay.close()
+
+
+# ---------------------------------------------------------------- the whole plan
+
+def _fake_mpi(monkeypatch, mpi):
+    from ringmaster.launch import cli
+    monkeypatch.setattr(cli, "find_mpirun", lambda: mpi.executable)
+    monkeypatch.setattr(cli, "detect_mpi", lambda executable: mpi)
+    return cli
+
+
+def test_plan_job(monkeypatch):
+    cli = _fake_mpi(monkeypatch, OMPI5)
+    args = parse_args(["-np", "2", "--fusion-threshold-mb", "1", "--verbose", sys.executable, "-c", "pass"])
+    plan = cli.plan_job(args, {"PATH": "/bin", "RINGMASTER_SECRET": "outer", "RINGMASTER_ALLREDUCE": "mpi"})
+    assert plan.num_proc == 2 and plan.coordinator_bind == "127.0.0.1"
+    assert plan.base_env == {"PATH": "/bin", "RINGMASTER_ALLREDUCE": "mpi",
+                             "RINGMASTER_FUSION_THRESHOLD": str(MIB), "RINGMASTER_LOG_LEVEL": "INFO"}
+    assert list(plan.spec.export_names) == ["RINGMASTER_COORDINATOR_ADDR", "RINGMASTER_SECRET",
+                                            "RINGMASTER_ALLREDUCE", "RINGMASTER_FUSION_THRESHOLD",
+                                            "RINGMASTER_LOG_LEVEL", "PATH"]
+    assert plan.spec.hosts == [Host("localhost", os.cpu_count())]
+
+
+def test_plan_job_defaults_np_to_slots_and_refuses_what_mpi_cannot_do(monkeypatch):
+    cli = _fake_mpi(monkeypatch, HYDRA)
+    plan = cli.plan_job(parse_args(["-H", "localhost:3", sys.executable, "-c", "pass"]), {})
+    assert plan.num_proc == 3
+    with pytest.raises(LaunchError, match="Open MPI"):
+        cli.plan_job(parse_args(["-np", "1", "--ssh-port", "2222", sys.executable, "-c", "pass"]), {})
+    with pytest.raises(LaunchError, match="-np N is required"):
+        cli.plan_job(parse_args([sys.executable, "-c", "pass"]), {})

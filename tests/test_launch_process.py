@@ -236,9 +236,9 @@ def _children(pid):
     return children
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_ends_everything(signum):
+def _start_sleeping_job():
+    """Start ``ringrun -np 2`` whose ranks print their pid and sleep; return the process, the
+    rank pids and ringrun's own children (the coordinator and mpirun)."""
     process = subprocess.Popen(
         RINGRUN + ["-np", "2", *_python("""
             import os, time
@@ -247,38 +247,72 @@ def test_signal_ends_everything(signum):
         """)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_environment(), start_new_session=True,
     )
+    pids, seen = [], []
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        match = re.match(r"\[\d+\]: pid (\d+)", line)
+        if match:
+            pids.append(int(match.group(1)))
+    assert len(pids) == 2, "".join(seen)
+    helpers = _children(process.pid)
+    assert len(helpers) >= 2, helpers
+    return process, pids, helpers
+
+
+def _assert_all_gone(pids, within):
+    deadline = time.monotonic() + within
+    leftovers = [pid for pid in pids if _alive(pid)]
+    while leftovers and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leftovers = [pid for pid in leftovers if _alive(pid)]
+    assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def _cleanup(process, pids):
+    for pid in pids:  # only what is still ours: a pid may have been reused since
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                ours = any(mark in handle.read() for mark in (b"time.sleep(120)", b"ringmaster", b"prterun", b"mpirun"))
+            if ours and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
     try:
-        pids, seen = [], []
-        deadline = time.monotonic() + 60
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            match = re.match(r"\[\d+\]: pid (\d+)", line)
-            if match:
-                pids.append(int(match.group(1)))
-        assert len(pids) == 2, "".join(seen)
-        helpers = _children(process.pid)  # the coordinator and mpirun
-        assert len(helpers) >= 2, helpers
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.communicate()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_ends_everything(signum):
+    process, pids, helpers = _start_sleeping_job()
+    try:
         started = time.monotonic()
         process.send_signal(signum)
         process.wait(timeout=10)
-        assert time.monotonic() - started < 10
         assert process.returncode == 128 + signum
-        leftovers = [pid for pid in pids + helpers if _alive(pid)]
-        deadline = time.monotonic() + 2
-        while leftovers and time.monotonic() < deadline:
-            time.sleep(0.1)
-            leftovers = [pid for pid in leftovers if _alive(pid)]
-        assert not leftovers, f"processes left behind: {leftovers}"
+        _assert_all_gone(pids + helpers, within=10 - (time.monotonic() - started))
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.communicate()
+        _cleanup(process, pids + helpers)
 
+
+@pytest.mark.timeout(120)
+def test_killed_ringrun_takes_the_job_with_it():
+    """SIGKILL gives ringrun no chance to clean up: mpirun gets SIGTERM as its parent dies
+    (and stops the ranks), the coordinator goes away too."""
+    process, pids, helpers = _start_sleeping_job()
+    try:
+        process.kill()
+        process.wait(timeout=10)
+        _assert_all_gone(pids + helpers, within=10)
+    finally:
+        _cleanup(process, pids + helpers)
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)

@@ -1,0 +1,7 @@
+"""``python -m ringmaster.launch ...`` is ``ringrun ...``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

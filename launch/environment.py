@@ -1,0 +1,103 @@
+"""The environment of the coordinator and the ranks: ``ringrun`` flags become ``RINGMASTER_*``.
+
+Values travel only in the environment; command lines carry variable *names* (``-x NAME``),
+so the job secret never shows in ``ps`` or in logs.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional
+
+from ringmaster.common.config import MIB, Config, ConfigError, load_config
+
+from .errors import LaunchError
+
+PREFIX = "RINGMASTER_"
+COORDINATOR_ADDR = "RINGMASTER_COORDINATOR_ADDR"
+SECRET = "RINGMASTER_SECRET"
+#: Non-ringmaster variables forwarded to every rank (when set here).
+PASSTHROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if float(value) != int(value) else str(int(value))
+
+
+def tuning_environment(
+    *,
+    fusion_threshold_mb: Optional[float] = None,
+    cycle_time_ms: Optional[float] = None,
+    stall_warning_s: Optional[float] = None,
+    stall_shutdown_s: Optional[float] = None,
+    allreduce: Optional[str] = None,
+    start_timeout_s: Optional[float] = None,
+    network_interface: Optional[str] = None,
+    verbose: bool = False,
+) -> Dict[str, str]:
+    """The ``RINGMASTER_*`` variables for the tuning flags that were given (``None``: not given).
+
+    ``fusion_threshold_mb`` is in MiB on the command line and in bytes in
+    ``RINGMASTER_FUSION_THRESHOLD``.
+    """
+    env: Dict[str, str] = {}
+    if fusion_threshold_mb is not None:
+        env["RINGMASTER_FUSION_THRESHOLD"] = str(int(round(fusion_threshold_mb * MIB)))
+    if cycle_time_ms is not None:
+        env["RINGMASTER_CYCLE_TIME"] = _number(cycle_time_ms)
+    if stall_warning_s is not None:
+        env["RINGMASTER_STALL_WARNING_S"] = _number(stall_warning_s)
+    if stall_shutdown_s is not None:
+        env["RINGMASTER_STALL_SHUTDOWN_S"] = _number(stall_shutdown_s)
+    if allreduce is not None:
+        env["RINGMASTER_ALLREDUCE"] = allreduce
+    if start_timeout_s is not None:
+        env["RINGMASTER_START_TIMEOUT"] = _number(start_timeout_s)
+    if network_interface is not None:
+        env["RINGMASTER_NETWORK_INTERFACE"] = network_interface
+    if verbose:
+        env["RINGMASTER_LOG_LEVEL"] = "INFO"
+    return env
+
+
+def base_environment(environ: Mapping[str, str], tuning: Mapping[str, str]) -> Dict[str, str]:
+    """``environ`` with ``tuning`` applied and any coordinator address or secret of an outer
+    job removed (each ringrun job gets its own)."""
+    env = {k: v for k, v in environ.items() if k not in (COORDINATOR_ADDR, SECRET)}
+    env.update(tuning)
+    return env
+
+
+def validated_config(env: Mapping[str, str]) -> Config:
+    """Parse ``env`` as the ranks will, so a bad ``RINGMASTER_*`` value fails here, at once.
+
+    Raises:
+        LaunchError: naming the variable and what it must be.
+    """
+    try:
+        return load_config(env)
+    except ConfigError as error:
+        raise LaunchError(str(error)) from None
+
+
+def coordinator_environment(base: Mapping[str, str], secret: str) -> Dict[str, str]:
+    """The environment of the coordinator daemon: ``base`` plus the job secret."""
+    env = dict(base)
+    env[SECRET] = secret
+    return env
+
+
+def job_environment(base: Mapping[str, str], coordinator_addr: str, secret: str) -> Dict[str, str]:
+    """The environment of ``mpirun`` (and through it of the ranks)."""
+    env = dict(base)
+    env[COORDINATOR_ADDR] = coordinator_addr
+    env[SECRET] = secret
+    return env
+
+
+def exported_names(env: Mapping[str, str]) -> List[str]:
+    """Names of the variables to forward to every rank: the coordinator address and secret,
+    every other ``RINGMASTER_*`` variable, then ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``."""
+    first = [name for name in (COORDINATOR_ADDR, SECRET) if name in env]
+    ringmaster = sorted(name for name in env if name.startswith(PREFIX) and name not in first)
+    passthrough = [name for name in PASSTHROUGH if name in env]
+    return first + ringmaster + passthrough
