@@ -69,11 +69,14 @@ def main(argv=None) -> int:
     else:
         print(advertised, flush=True)
 
-    def stop(*_):
-        coordinator.stop(grace=0.5)
+    stop_requested = threading.Event()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    def request_stop(*_):
+        # Only set a flag: a handler that took locks could deadlock with the thread it interrupted.
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
     if args.exit_on_stdin_eof:
         def watch_stdin():
             try:  # raw reads: a buffered reader's lock would trip interpreter shutdown
@@ -81,11 +84,11 @@ def main(argv=None) -> int:
                     pass
             except (OSError, ValueError):
                 pass
-            stop()
+            stop_requested.set()
         threading.Thread(target=watch_stdin, name="ringmaster-stdin-watch", daemon=True).start()
-    while not coordinator.finished.wait(0.5):
+    while not (coordinator.finished.is_set() or stop_requested.wait(0.2)):
         pass
-    coordinator.stop(grace=2.0)  # lets abort messages reach the ranks
+    coordinator.stop(grace=0.5 if stop_requested.is_set() else 2.0)  # 2 s lets abort messages reach the ranks
     return coordinator.exit_code
 
 

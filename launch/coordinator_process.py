@@ -51,7 +51,8 @@ class CoordinatorProcess:
         """The coordinator's command line (no secret in it)."""
         command = [sys.executable, "-m", COORDINATOR_MODULE, "--size", str(self.size),
                    "--bind", self.bind, "--port", "0", "--address-file", self.address_file,
-                   "--exit-on-stdin-eof"]
+                   # --persistent: ranks may init() again after shutdown() in the same job
+                   "--exit-on-stdin-eof", "--persistent"]
         if self.advertise != self.bind:
             command += ["--advertise", self.advertise]
         return command

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,9 @@ MPIRUN_ARGS = [
 ]
 
 
+RANK_TAG = re.compile(r"^\[\d+\]: ")
+
+
 @dataclass
 class JobResult:
     """What a finished job printed and how it ended."""
@@ -32,7 +36,9 @@ class JobResult:
         return self.stdout + self.stderr
 
     def lines_starting(self, prefix: str):
-        return [line[len(prefix):].strip() for line in self.stdout.splitlines() if line.startswith(prefix)]
+        """The rest of each stdout line that starts with ``prefix`` (after ringrun's ``[rank]: `` tag)."""
+        lines = (RANK_TAG.sub("", line, count=1) for line in self.stdout.splitlines())
+        return [line[len(prefix):].strip() for line in lines if line.startswith(prefix)]
 
 
 def job_environment(extra: Optional[Mapping[str, str]] = None) -> dict:

@@ -3,7 +3,7 @@
 import pathlib
 
 import pytest
-from mpijob import mpirun
+from mpijob import mpirun, ringrun
 
 MATRIX = (pathlib.Path(__file__).parent / "jobs" / "collectives_matrix.py").read_text()
 
@@ -32,8 +32,9 @@ def test_readme_example_prints_the_sum_on_both_ranks():
 
 
 @pytest.mark.timeout(90)
-def test_init_after_shutdown_and_topology():
-    result = mpirun(2, """
+@pytest.mark.parametrize("launcher", [mpirun, ringrun], ids=["mpirun", "ringrun"])
+def test_init_after_shutdown_and_topology(launcher):
+    result = launcher(2, """
         import ringmaster as rm, torch
         for attempt in range(2):
             rm.init()
@@ -51,6 +52,7 @@ def test_init_after_shutdown_and_topology():
     assert result.returncode == 0, result.output
     rounds = sorted(result.lines_starting("ROUND"))
     assert rounds == ["0 0 2 0 2 0 1 1.0", "0 1 2 1 2 0 1 1.0", "1 0 2 0 2 0 1 1.0", "1 1 2 1 2 0 1 1.0"]
+    assert "(host" not in result.output  # no abort: shutdown is not a failure
     assert "NotInitializedError ringmaster is not initialized: call ringmaster.init() first" in result.stdout
 
 
