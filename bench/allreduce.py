@@ -62,11 +62,13 @@ def bench_sizes(comm, budget):
     for nbytes in SIZES:
         count = nbytes // 4
         tensor = torch.ones(count)
+        in_place = torch.ones(count)
         send = np.ones(count, dtype=np.float32)
         receive = np.empty_like(send)
         gloo_tensor = torch.ones(count)
         implementations = {
             "ringmaster": lambda: rm.allreduce(tensor, op=rm.Sum, name="bench"),
+            "ringmaster_": lambda: rm.allreduce_(in_place, op=rm.Max, name="bench_"),  # Max: values stay put
             "mpi4py": lambda: comm.Allreduce(send, receive, op=MPI.SUM),
             "gloo": lambda: dist.all_reduce(gloo_tensor),
         }
@@ -143,10 +145,14 @@ def main():
         algorithm = os.environ.get("RINGMASTER_ALLREDUCE", "auto")
         print(f"\nallreduce of float32, {comm.size} ranks, RINGMASTER_ALLREDUCE={algorithm}; "
               f"median time (ms) and busbw (GB/s)")
-        print(f"{'size':>8} | {'ringmaster':>17} | {'mpi4py Allreduce':>17} | {'gloo':>17} | rm/mpi busbw")
+        columns = ("ringmaster", "ringmaster_", "mpi4py", "gloo")
+        print("ringmaster = rm.allreduce (new output tensor), ringmaster_ = rm.allreduce_ (in place), "
+              "mpi4py = comm.Allreduce(send, recv), gloo = dist.all_reduce (in place)")
+        print(f"{'size':>8} | " + " | ".join(f"{c:>17}" for c in columns) + " | rm/mpi | rm_/mpi busbw")
         for nbytes, medians, busbw in sizes:
-            cells = " | ".join(f"{medians[n] * 1e3:8.3f} {busbw[n]:7.2f}" for n in ("ringmaster", "mpi4py", "gloo"))
-            print(f"{label(nbytes):>8} | {cells} | {busbw['ringmaster'] / busbw['mpi4py']:6.2f}")
+            cells = " | ".join(f"{medians[n] * 1e3:8.3f} {busbw[n]:7.2f}" for n in columns)
+            print(f"{label(nbytes):>8} | {cells} | {busbw['ringmaster'] / busbw['mpi4py']:6.2f} | "
+                  f"{busbw['ringmaster_'] / busbw['mpi4py']:6.2f}")
         print(f"\n100 x 16 KiB async allreduces, then wait for all (median ms): "
               + ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in small.items())
               + f"; ringmaster / mpi4py = {small['ringmaster'] / small['mpi4py']:.2f}")

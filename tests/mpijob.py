@@ -36,8 +36,13 @@ class JobResult:
         return self.stdout + self.stderr
 
     def lines_starting(self, prefix: str):
-        """The rest of each stdout line that starts with ``prefix`` (after ringrun's ``[rank]: `` tag)."""
-        lines = (RANK_TAG.sub("", line, count=1) for line in self.stdout.splitlines())
+        """The rest of each stdout line that starts with ``prefix``.
+
+        ringrun's ``[rank]: `` tag is skipped, unless ``prefix`` is itself such a tag.
+        """
+        lines = self.stdout.splitlines()
+        if not prefix.startswith("["):
+            lines = (RANK_TAG.sub("", line, count=1) for line in lines)
         return [line[len(prefix):].strip() for line in lines if line.startswith(prefix)]
 
 

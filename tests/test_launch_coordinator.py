@@ -71,6 +71,7 @@ def test_wildcard_address_is_advertised_and_secret_in_environment(tmp_path, monk
         for flag in ("--size", "--bind", "--port", "--address-file", "--advertise"):
             parser.add_argument(flag)
         parser.add_argument("--exit-on-stdin-eof", action="store_true")
+        parser.add_argument("--persistent", action="store_true")
         args = parser.parse_args()
         assert os.environ["RINGMASTER_SECRET"] == "%s"
         with open(args.address_file + ".tmp", "w") as handle:
