@@ -125,7 +125,9 @@ class Negotiator:
         requests = entry.requests
         first = requests[min(requests)]
         op = first.op_type
-        mismatch = self._find_mismatch(entry.name, op, requests)
+        # Identical requests (the usual case) need no field-by-field diagnosis.
+        identical = all(request == first for request in requests.values())
+        mismatch = None if identical else self._find_mismatch(entry.name, op, requests)
         if mismatch:
             return _error_response(entry.name, pb.MISMATCH, mismatch)
         if joined and op not in JOINABLE:

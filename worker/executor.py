@@ -168,21 +168,23 @@ class Executor:
             return
         sizes = [math.prod(shape) for shape in shapes]
         buffer = self._fusion_buffer(wire_dtype, sum(sizes))
-        offset = 0
-        for entry, count in zip(entries, sizes):
-            part = buffer[offset:offset + count]
-            if entry is None:  # this rank joined: contribute the reduction's identity
-                part.fill_(_identity(response.reduce_op, wire_dtype))
-            else:
-                part.copy_(entry.tensor.reshape(-1))
-            offset += count
+        if all(entry is not None for entry in entries):
+            torch.cat([entry.tensor.reshape(-1) for entry in entries], out=buffer)  # one op, not one per tensor
+        else:
+            for entry, part in zip(entries, buffer.split(sizes)):
+                if entry is None:  # this rank joined: contribute the reduction's identity
+                    part.fill_(_identity(response.reduce_op, wire_dtype))
+                else:
+                    part.copy_(entry.tensor.reshape(-1))
         self._reduce_in_place(buffer, response)
-        offset = 0
-        for entry, count, shape in zip(entries, sizes, shapes):
+        done = []
+        for entry, part in zip(entries, buffer.split(sizes)):
             if entry is not None:
-                entry.output.reshape(-1).copy_(buffer[offset:offset + count])
-                self._complete(entry, entry.output)
-            offset += count
+                entry.output.reshape(-1).copy_(part)
+                done.append(entry)
+        # Complete only after every copy: a woken caller would otherwise fight this thread for the GIL.
+        for entry in done:
+            self._complete(entry, entry.output)
 
     def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response) -> None:
         """Allreduce the 1-D contiguous tensor ``flat`` in place, with Horovod's scaling."""
