@@ -354,3 +354,11 @@ def test_plan_job_defaults_np_to_slots_and_refuses_what_mpi_cannot_do(monkeypatc
         cli.plan_job(parse_args(["-np", "1", "--ssh-port", "2222", sys.executable, "-c", "pass"]), {})
     with pytest.raises(LaunchError, match="-np N is required"):
         cli.plan_job(parse_args([sys.executable, "-c", "pass"]), {})
+
+
+def test_a_binding_in_mpi_args_replaces_the_default_none():
+    from ringmaster.launch.mpi_command import _chooses_binding
+
+    assert _chooses_binding(["--bind-to", "core"])
+    assert _chooses_binding(["-bind-to=socket"])
+    assert not _chooses_binding(["--map-by", "slot"])
