@@ -118,3 +118,26 @@ def test_collectives_before_init_raise_a_clear_error():
             print("ERROR", error)
     """, timeout=50)
     assert "ERROR ringmaster is not initialized: call ringmaster.init() first" in result.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_coordinator_is_reported_on_every_rank():
+    result, seconds = run_timed(2, """
+        import time, torch, ringmaster as rm
+        from ringmaster.worker.runtime import runtime
+        rm.init()
+        rm.allreduce(torch.ones(2))
+        if rm.rank() == 0:
+            runtime().endpoint.process.kill()  # the coordinator rank 0 started under plain mpirun
+        time.sleep(1)
+        try:
+            rm.allreduce(torch.ones(2), name="after")
+        except rm.CoordinatorUnreachableError as error:
+            print("LOST", rm.rank(), error, flush=True)
+            raise
+    """, timeout=80)
+    assert result.returncode != 0
+    assert seconds < 30
+    lost = result.lines_starting("LOST")
+    assert lost, result.output[-3000:]
+    assert all("lost its connection to the ringmaster coordinator" in line for line in lost)

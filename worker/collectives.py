@@ -17,7 +17,7 @@ import torch
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.executor import Entry
 from ringmaster.worker.runtime import runtime
-from ringmaster.worker.tensors import device_name, dtype_name
+from ringmaster.worker.tensors import REDUCIBLE_DTYPES, device_name, dtype_name
 
 # Reduction constants, numbered as horovod.torch numbers them.
 Average = pb.AVERAGE
@@ -67,6 +67,10 @@ def _resolve_op(average, op, what: str) -> int:
 
 
 def _check_reduction(tensor: torch.Tensor, op: int, prescale: float, postscale: float, what: str) -> None:
+    if tensor.dtype not in REDUCIBLE_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in REDUCIBLE_DTYPES)
+        raise TypeError(f"{what}: reductions of {tensor.dtype} are not supported; use one of {names} "
+                        f"(e.g. tensor.to(torch.int32)); allgather, broadcast and alltoall take any dtype")
     if tensor.dtype == torch.bool and op in (Average,):
         raise TypeError(f"{what}: op=Average is undefined for bool tensors; use Sum (logical or), "
                         f"Product or Min (logical and), or Max")

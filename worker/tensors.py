@@ -13,6 +13,10 @@ SUPPORTED_DTYPES = {
 }
 DTYPE_NAMES = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
 
+#: dtypes allreduce and reducescatter accept (the others only move bytes, so any of the above works there).
+REDUCIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
+                    torch.uint8, torch.bool)
+
 #: dtype reductions run in, where torch's own has no NumPy twin.
 REDUCTION_DTYPES = {torch.bfloat16: torch.float32}
 

@@ -139,6 +139,14 @@ for dtype in DTYPES:
     rows = [r + 1 if r != 1 else 0 for r in range(SIZE)]  # rank 1 contributes no rows
     inputs = [rank_input(r, (rows[r], 3), dtype, salt=5) for r in range(SIZE)]
     check(f"allgather {dtype}", rm.allgather(inputs[RANK]), torch.cat(inputs), dtype)
+for dtype in (torch.int8, torch.int16):  # data movement only: reductions refuse them at the call
+    inputs = [torch.arange(6, dtype=dtype).reshape(2, 3) + r for r in range(SIZE)]
+    check(f"allgather {dtype}", rm.allgather(inputs[RANK]), torch.cat(inputs), dtype)
+    try:
+        rm.allreduce(inputs[RANK])
+        check(f"allreduce {dtype} raises", torch.tensor(False), torch.tensor(True), torch.bool)
+    except TypeError as error:
+        check(f"allreduce {dtype} raises", torch.tensor("not supported" in str(error)), torch.tensor(True), torch.bool)
 scalars = [torch.tensor(float(r)) for r in range(SIZE)]
 check("allgather 0-d", rm.allgather(scalars[RANK]), torch.stack(scalars), torch.float32)
 
