@@ -92,3 +92,16 @@ def check_positive_int(value, name: str, function: str) -> int:
     if value <= 0:
         raise ValueError(f"{function}: {name} must be > 0, got {value}")
     return int(value)
+
+
+def check_source(source, buffer: np.ndarray, function: str):
+    """Validate the optional input of an out-of-place reduction; ``None`` when it is ``buffer``."""
+    if source is None or source is buffer:
+        return None
+    check_array(source, "source", function)
+    if source.dtype != buffer.dtype or source.shape != buffer.shape:
+        raise ValueError(f"{function}: source ({source.dtype}, {source.shape}) must have the dtype and "
+                         f"shape of buffer ({buffer.dtype}, {buffer.shape})")
+    if np.may_share_memory(source, buffer):
+        raise ValueError(f"{function}: source and buffer overlap; pass source=None to reduce in place")
+    return source

@@ -77,7 +77,7 @@ def choose_algorithm(nbytes: int, comm_size: int, dtype, op: str) -> str:
 
 
 def allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
-              algorithm: str = "auto") -> np.ndarray:
+              algorithm: str = "auto", source: np.ndarray = None) -> np.ndarray:
     """Allreduce ``buffer`` in place across ``comm``; return it.
 
     Args:
@@ -86,6 +86,8 @@ def allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
         op: "sum", "min", "max" or "prod" (on bool: sum/max = or, prod/min = and).
         algorithm: "ring" (:func:`ring_allreduce`), "mpi" (:func:`mpi_allreduce`) or
             "auto" (:func:`choose_algorithm`).
+        source: optional input of the same length and dtype; the result still goes to
+            ``buffer``, and ``source`` is left as it was (out-of-place allreduce, no copy).
     """
     name = "allreduce"
     _checks.check_comm(comm, name)
@@ -97,5 +99,5 @@ def allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
     if algorithm == "auto":
         algorithm = choose_algorithm(buffer.nbytes, comm.Get_size(), buffer.dtype, op)
     if algorithm == "ring":
-        return ring_allreduce(comm, buffer, op)
-    return mpi_allreduce(comm, buffer, op)
+        return ring_allreduce(comm, buffer, op, source=source)
+    return mpi_allreduce(comm, buffer, op, source=source)

@@ -33,8 +33,10 @@ def _displacements(counts: np.ndarray) -> np.ndarray:
     return displs
 
 
-def mpi_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum") -> np.ndarray:
+def mpi_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", source: np.ndarray = None) -> np.ndarray:
     """Allreduce ``buffer`` in place with ``MPI_Allreduce(MPI_IN_PLACE, ...)``; return it.
+
+    With ``source``, the input is read from ``source`` and the result written to ``buffer``.
 
     Every rank passes the same length, dtype and op. float16 is reduced in float32 and
     rounded back, uint8 sums in uint32; bool as uint8 bytes (see the module docstring).
@@ -44,15 +46,21 @@ def mpi_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum") -> np.nda
     _checks.check_array(buffer, "buffer", name, writable=True)
     _checks.check_op(op, name)
     _check_addressable(buffer, "buffer", name)
+    source = _checks.check_source(source, buffer, name)
     if comm.Get_size() == 1 or buffer.size == 0:
+        if source is not None:
+            np.copyto(buffer, source)
         return buffer
     reduction = mpi_reduction(buffer.dtype, op)
     if reduction.cast:
-        wide = buffer.astype(reduction.dtype)
+        wide = (buffer if source is None else source).astype(reduction.dtype)
         comm.Allreduce(MPI.IN_PLACE, [wide, reduction.datatype], reduction.op)
         # float16: out of range is inf, as in the ring; uint8: wraps modulo 256.
         with np.errstate(over="ignore"):
             np.copyto(buffer, wide, casting="same_kind")
+    elif source is not None:
+        comm.Allreduce([source.view(reduction.dtype), reduction.datatype],
+                       [buffer.view(reduction.dtype), reduction.datatype], reduction.op)
     else:
         comm.Allreduce(MPI.IN_PLACE, [buffer.view(reduction.dtype), reduction.datatype], reduction.op)
     return buffer

@@ -73,8 +73,11 @@ def chunk_bounds(length: int, parts: int) -> list:
 
 
 def ring_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
-                   segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> np.ndarray:
+                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, source: np.ndarray = None) -> np.ndarray:
     """Allreduce ``buffer`` in place across ``comm`` with the pipelined ring; return it.
+
+    With ``source``, this rank's contribution is read from ``source`` and the result
+    written to ``buffer`` (which is then only written): no copy of the input first.
 
     Args:
         comm: intracommunicator; every rank calls this with the same length, dtype and op.
@@ -91,14 +94,17 @@ def ring_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
     _checks.check_array(buffer, "buffer", name, writable=True)
     _checks.check_op(op, name)
     _checks.check_positive_int(segment_bytes, "segment_bytes", name)
+    source = _checks.check_source(source, buffer, name)
     size = comm.Get_size()
     if size == 1 or buffer.size == 0:
+        if source is not None:
+            np.copyto(buffer, source)
         return buffer
     # Float overflow gives inf (and inf - inf nan) silently, as in MPI_Allreduce; NumPy
     # would otherwise warn on whichever ranks happened to reduce the overflowing chunk.
     with np.errstate(over="ignore", invalid="ignore"):
         _run_ring(comm, buffer, numpy_ufunc(buffer.dtype, op),
-                  max(1, segment_bytes // buffer.itemsize))
+                  max(1, segment_bytes // buffer.itemsize), buffer if source is None else source)
     return buffer
 
 
@@ -161,12 +167,16 @@ def _scratch(slot: int, nbytes: int) -> np.ndarray:
 _scratch_store = threading.local()
 
 
-def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int) -> None:
+def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int, source: np.ndarray) -> None:
+    # This rank's own data is read from ``source`` (which may be ``buffer`` itself) only
+    # where it enters: the first chunk sent, and each scatter-reduce accumulation. Every
+    # segment of ``buffer`` is written once, by a reduction or by an allgather receive.
     size, rank = comm.Get_size(), comm.Get_rank()
     right, left = (rank + 1) % size, (rank - 1) % size
     receives, first_sends, first_step = _ring_schedule(rank, size, buffer.size, segment)
     # Transfers never interpret the bytes, so every dtype travels as MPI.BYTE.
     raw = buffer.view(np.uint8)
+    source_raw = source.view(np.uint8)
     item = buffer.itemsize
     slot_bytes = min(segment, buffer.size) * item
     scratch_raw = [_scratch(slot, slot_bytes)[:slot_bytes] for slot in range(RECEIVE_DEPTH)]
@@ -188,7 +198,7 @@ def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int)
         nonlocal first_issued
         while first_issued < min(upto, len(first_sends)):
             lo, hi = first_sends[first_issued]
-            sending[lo] = comm.Isend([raw[lo * item:hi * item], MPI.BYTE], right, FIRST_CHUNK_TAG)
+            sending[lo] = comm.Isend([source_raw[lo * item:hi * item], MPI.BYTE], right, FIRST_CHUNK_TAG)
             first_issued += 1
 
     def post(index):
@@ -215,8 +225,7 @@ def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int)
         posted[index].Wait()
         posted[index] = None
         if reduce:
-            view = buffer[lo:hi]
-            ufunc(view, scratch[index % RECEIVE_DEPTH][:hi - lo], out=view)
+            ufunc(source[lo:hi], scratch[index % RECEIVE_DEPTH][:hi - lo], out=buffer[lo:hi])
         if forward:
             sending[lo] = comm.Isend([raw[lo * item:hi * item], MPI.BYTE], right, RING_TAG)
         if first_issued < everything:

@@ -144,6 +144,25 @@ for n in [1, 1000, 300_000, 2_000_000]:
         buffer = inputs[rank].copy()
         allreduce(comm, buffer, "sum")
         check(f"auto {dtype} sum n={n}", buffer, reduce_all(inputs, "sum"))
+# Out of place (source=): the input is left alone and the result lands in buffer.
+for dtype in DTYPES:
+    for op in OPS:
+        for n in (0, 1, 3, 7, 4099):
+            seed = (55, DTYPES.index(dtype), OPS.index(op), n)
+            inputs = [make(seed + (k,), dtype, op, n) for k in range(size)]
+            for algorithm in ("ring", "mpi"):
+                label = f"allreduce source= {algorithm} {dtype} {op} n={n}"
+                source = inputs[rank].copy()
+                buffer = np.full(n, 1, dtype=dtype)  # garbage that must be overwritten
+                allreduce(comm, buffer, op, algorithm=algorithm, source=source)
+                check(label, buffer, reduce_all(inputs, op))
+                check(label + " leaves source", source, inputs[rank])
+inputs = [make((56, k), "float32", "sum", 10_007) for k in range(size)]
+source, buffer = inputs[rank].copy(), np.empty(10_007, np.float32)
+ring_allreduce(comm, buffer, "sum", segment_bytes=64, source=source)
+check("ring source= small segments", buffer, reduce_all(inputs, "sum"))
+check_identical("ring source= small segments", buffer)
+
 buffer = np.arange(10, dtype=np.int64)
 ring_allreduce(comm, buffer)
 ring_allreduce(comm, buffer)
@@ -303,6 +322,18 @@ def test_single_rank_is_identity(dtype):
     np.testing.assert_array_equal(alltoallv(SELF, source, [7], [7]), source)
     np.testing.assert_array_equal(reducescatter(SELF, source, "max", [7]), source)
     assert ring_allreduce(SELF, np.zeros(0, dtype)).size == 0
+
+
+@pytest.mark.timeout(30)
+def test_source_must_match_and_not_overlap_the_buffer():
+    buffer = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="dtype and shape"):
+        allreduce(MPI.COMM_SELF, buffer, source=np.zeros(8, np.float64))
+    with pytest.raises(ValueError, match="overlap"):
+        allreduce(MPI.COMM_SELF, buffer[:4], source=buffer[2:6])
+    source = np.arange(8, dtype=np.float32)
+    allreduce(MPI.COMM_SELF, buffer, source=source)
+    assert np.array_equal(buffer, source)
 
 
 @pytest.mark.timeout(30)

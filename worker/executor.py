@@ -161,9 +161,13 @@ class Executor:
         wire_dtype = reduction_dtype(dtype)
         if len(entries) == 1 and entries[0] is not None and wire_dtype == dtype:
             entry = entries[0]
+            source = None
             if entry.output is not entry.tensor:
-                entry.output.copy_(entry.tensor)
-            self._reduce_in_place(entry.output.reshape(-1), response)
+                if response.prescale_factor == 1.0:
+                    source = entry.tensor.reshape(-1)  # reduce straight from the input: no copy
+                else:
+                    entry.output.copy_(entry.tensor)
+            self._reduce_in_place(entry.output.reshape(-1), response, source)
             self._complete(entry, entry.output)
             return
         sizes = [math.prod(shape) for shape in shapes]
@@ -186,11 +190,13 @@ class Executor:
         for entry in done:
             self._complete(entry, entry.output)
 
-    def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response) -> None:
-        """Allreduce the 1-D contiguous tensor ``flat`` in place, with Horovod's scaling."""
+    def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response,
+                         source: Optional[torch.Tensor] = None) -> None:
+        """Allreduce into the 1-D contiguous ``flat`` (from ``source`` if given), with Horovod's scaling."""
         if response.prescale_factor != 1.0:
             flat.mul_(response.prescale_factor)
-        ops.allreduce(self.comm, flat_array(flat), OPS_REDUCTION[response.reduce_op], self.algorithm)
+        ops.allreduce(self.comm, flat_array(flat), OPS_REDUCTION[response.reduce_op], self.algorithm,
+                      source=None if source is None else flat_array(source))
         self._postscale(flat, response)
 
     def _postscale(self, flat: torch.Tensor, response: pb.Response) -> None:
