@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="abort the job after a stall of S seconds (default 0: never)")
     tuning.add_argument("--allreduce", choices=("auto", "ring", "mpi"),
                         help="allreduce algorithm (default auto)")
+    tuning.add_argument("--heartbeat-interval-s", type=_number(float, 0, False), metavar="S",
+                        help="how often an idle rank tells the coordinator it is alive (default 1)")
+    tuning.add_argument("--heartbeat-timeout-s", type=_number(float, 0, False), metavar="S",
+                        help="declare a rank dead after S seconds without a heartbeat (default 15)")
 
     network = parser.add_argument_group("network and MPI")
     network.add_argument("--network-interface", metavar="IF",
@@ -194,6 +198,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         stall_warning_s=args.stall_warning_s, stall_shutdown_s=args.stall_shutdown_s,
         allreduce=args.allreduce, start_timeout_s=args.start_timeout,
         network_interface=args.network_interface, verbose=args.verbose,
+        heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
     )
     base_env = base_environment(environ, tuning)
     config = validated_config(base_env)

@@ -33,6 +33,8 @@ def tuning_environment(
     start_timeout_s: Optional[float] = None,
     network_interface: Optional[str] = None,
     verbose: bool = False,
+    heartbeat_interval_s: Optional[float] = None,
+    heartbeat_timeout_s: Optional[float] = None,
 ) -> Dict[str, str]:
     """The ``RINGMASTER_*`` variables for the tuning flags that were given (``None``: not given).
 
@@ -56,6 +58,10 @@ def tuning_environment(
         env["RINGMASTER_NETWORK_INTERFACE"] = network_interface
     if verbose:
         env["RINGMASTER_LOG_LEVEL"] = "INFO"
+    if heartbeat_interval_s is not None:
+        env["RINGMASTER_HEARTBEAT_INTERVAL_S"] = _number(heartbeat_interval_s)
+    if heartbeat_timeout_s is not None:
+        env["RINGMASTER_HEARTBEAT_TIMEOUT_S"] = _number(heartbeat_timeout_s)
     return env
 
 

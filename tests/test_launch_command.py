@@ -119,7 +119,8 @@ def test_check_command(tmp_path):
 def test_tuning_environment_units():
     env = tuning_environment(fusion_threshold_mb=32, cycle_time_ms=2.5, stall_warning_s=30,
                              stall_shutdown_s=0, allreduce="mpi", start_timeout_s=12,
-                             network_interface="eth0", verbose=True)
+                             network_interface="eth0", verbose=True, heartbeat_interval_s=0.5,
+                             heartbeat_timeout_s=20)
     assert env == {
         "RINGMASTER_FUSION_THRESHOLD": str(32 * MIB),
         "RINGMASTER_CYCLE_TIME": "2.5",
@@ -129,9 +130,12 @@ def test_tuning_environment_units():
         "RINGMASTER_START_TIMEOUT": "12",
         "RINGMASTER_NETWORK_INTERFACE": "eth0",
         "RINGMASTER_LOG_LEVEL": "INFO",
+        "RINGMASTER_HEARTBEAT_INTERVAL_S": "0.5",
+        "RINGMASTER_HEARTBEAT_TIMEOUT_S": "20",
     }
     config = validated_config(env)
     assert config.fusion_threshold_bytes == 32 * MIB and config.cycle_time_ms == 2.5
+    assert config.heartbeat_interval_s == 0.5 and config.heartbeat_timeout_s == 20
     assert tuning_environment() == {}
     assert tuning_environment(fusion_threshold_mb=0.5)["RINGMASTER_FUSION_THRESHOLD"] == str(MIB // 2)
 
