@@ -49,10 +49,8 @@ class Runtime:
             self.welcome = self.client.connect(config.start_timeout_s)
         except RingmasterError:
             self.executor.stop(1)
+            self.endpoint.stop(timeout_s=0)  # a coordinator this rank started must not outlive the failure
             raise
-
-    def hosts(self) -> List[str]:
-        return [info.hostname for info in self.welcome.ranks]
 
     # ----------------------------------------------------------- submitting
     def submit(self, entries: List[Entry], requests: List[pb.TensorRequest], flush: bool = False) -> None:
