@@ -86,10 +86,8 @@ def _request(name: str, op_type: int, tensor: torch.Tensor, **fields) -> pb.Tens
                             shape=tensor.shape, device=device_name(tensor), **fields)
 
 
-def _output_for(tensor: torch.Tensor, in_place: bool):
-    """(output buffer, tensor to copy the result back into) for a collective on ``tensor``."""
-    if not in_place:
-        return torch.empty_like(tensor, memory_format=torch.contiguous_format), None
+def _in_place_output(tensor: torch.Tensor):
+    """(output buffer, tensor to copy the result back into) for an in-place collective."""
     if tensor.is_contiguous():
         return tensor, None
     return torch.empty_like(tensor, memory_format=torch.contiguous_format), tensor
@@ -110,10 +108,10 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
         _check_tensor(tensor, what)
         _check_reduction(tensor, op, prescale_factor, postscale_factor, what)
         entry_name = base if single else f"{base}.{index}"
-        output, copy_back = _output_for(tensor, in_place)
         source = tensor if tensor.is_contiguous() else tensor.contiguous()
-        if in_place and copy_back is None:
-            output = source
+        output, copy_back = None, None  # out of place: the background thread makes the result
+        if in_place:  # reduce in the tensor itself, or in a contiguous copy that is copied back
+            output, copy_back = source, (None if source is tensor else tensor)
         entries.append(Entry(entry_name, pb.ALLREDUCE, source, handle, part=index, output=output,
                              copy_back=copy_back))
         requests.append(_request(entry_name, pb.ALLREDUCE, source, reduce_op=op,
@@ -230,7 +228,7 @@ def broadcast_async_(tensor, root_rank, name=None):
     """In-place :func:`broadcast_async`: ``tensor`` is overwritten with the root's."""
     _check_root(root_rank, "broadcast_")
     _check_tensor(tensor, "broadcast_")
-    output, copy_back = _output_for(tensor, in_place=True)
+    output, copy_back = _in_place_output(tensor)
     return _submit_single("broadcast", pb.BROADCAST, tensor, name, output=output, copy_back=copy_back,
                           root_rank=root_rank)
 

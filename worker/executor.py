@@ -40,7 +40,7 @@ class Entry:
     tensor: torch.Tensor                     # contiguous input
     handle: Handle
     part: int = 0                            # position in a grouped handle
-    output: Optional[torch.Tensor] = None    # result buffer (allreduce, broadcast)
+    output: Optional[torch.Tensor] = None    # where the result goes; None: a new tensor (out of place)
     copy_back: Optional[torch.Tensor] = None  # non-contiguous in-place target
 
 
@@ -161,18 +161,28 @@ class Executor:
         wire_dtype = reduction_dtype(dtype)
         if len(entries) == 1 and entries[0] is not None and wire_dtype == dtype:
             entry = entries[0]
-            source = None
-            if entry.output is not entry.tensor:
+            output, source = entry.output, None
+            if output is None:  # out of place: the result is a new tensor
+                output = torch.empty_like(entry.tensor)
                 if response.prescale_factor == 1.0:
                     source = entry.tensor.reshape(-1)  # reduce straight from the input: no copy
                 else:
-                    entry.output.copy_(entry.tensor)
-            self._reduce_in_place(entry.output.reshape(-1), response, source)
-            self._complete(entry, entry.output)
+                    output.copy_(entry.tensor)
+            self._reduce_in_place(output.reshape(-1), response, source)
+            self._complete(entry, output)
             return
         sizes = [math.prod(shape) for shape in shapes]
+        everyone = all(entry is not None for entry in entries)
+        if everyone and wire_dtype == dtype and all(entry.output is None for entry in entries):
+            # All out of place: reduce in a fresh buffer and hand out views of it. It is never
+            # reused, so results alias nothing; and there is nothing to copy out.
+            result = torch.cat([entry.tensor.reshape(-1) for entry in entries])
+            self._reduce_in_place(result, response)
+            for entry, part, shape in zip(entries, result.split(sizes), shapes):
+                self._complete(entry, part.view(shape))
+            return
         buffer = self._fusion_buffer(wire_dtype, sum(sizes))
-        if all(entry is not None for entry in entries):
+        if everyone:
             torch.cat([entry.tensor.reshape(-1) for entry in entries], out=buffer)  # one op, not one per tensor
         else:
             for entry, part in zip(entries, buffer.split(sizes)):
@@ -182,13 +192,17 @@ class Executor:
                     part.copy_(entry.tensor.reshape(-1))
         self._reduce_in_place(buffer, response)
         done = []
-        for entry, part in zip(entries, buffer.split(sizes)):
-            if entry is not None:
+        for entry, part, shape in zip(entries, buffer.split(sizes), shapes):
+            if entry is None:
+                continue
+            if entry.output is None:
+                done.append((entry, part.to(dtype, copy=True).view(shape)))
+            else:
                 entry.output.reshape(-1).copy_(part)
-                done.append(entry)
+                done.append((entry, entry.output))
         # Complete only after every copy: a woken caller would otherwise fight this thread for the GIL.
-        for entry in done:
-            self._complete(entry, entry.output)
+        for entry, result in done:
+            self._complete(entry, result)
 
     def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response,
                          source: Optional[torch.Tensor] = None) -> None:
