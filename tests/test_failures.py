@@ -140,4 +140,4 @@ def test_a_dead_coordinator_is_reported_on_every_rank():
     assert seconds < 30
     lost = result.lines_starting("LOST")
     assert lost, result.output[-3000:]
-    assert all("lost its connection to the ringmaster coordinator" in line for line in lost)
+    assert all("lost its connection to the ringmaster coordinator" in line for line in lost), result.output[-3000:]

@@ -114,7 +114,8 @@ class CoordinatorClient:
             return
         if not self._closing:
             self._fail(CoordinatorUnreachableError(
-                f"rank {self.rank}: the coordinator at {self.address} closed the stream unexpectedly"))
+                f"rank {self.rank} lost its connection to the ringmaster coordinator at {self.address} "
+                f"(the stream ended); the coordinator died or its host is unreachable"))
 
     def _fail(self, error: RingmasterError) -> None:
         if not self._welcome.is_set():
