@@ -153,7 +153,7 @@ def main():
             cells = " | ".join(f"{medians[n] * 1e3:8.3f} {busbw[n]:7.2f}" for n in columns)
             print(f"{label(nbytes):>8} | {cells} | {busbw['ringmaster'] / busbw['mpi4py']:6.2f} | "
                   f"{busbw['ringmaster_'] / busbw['mpi4py']:6.2f}")
-        print(f"\n100 x 16 KiB async allreduces, then wait for all (median ms): "
+        print("\n100 x 16 KiB async allreduces, then wait for all (median ms): "
               + ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in small.items())
               + f"; ringmaster / mpi4py = {small['ringmaster'] / small['mpi4py']:.2f}")
         print("4-byte allreduce round trip (ms): "

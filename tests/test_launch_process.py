@@ -204,7 +204,7 @@ def test_output_filename_writes_rank_files(tmp_path):
     for rank in (0, 1):
         assert (logs / f"rank.{rank}" / "stdout").read_text() == f"out {rank}\n"
         assert (logs / f"rank.{rank}" / "stderr").read_text() == f"err {rank}\n"
-    assert f"[1]: err 1" in result.stderr
+    assert "[1]: err 1" in result.stderr
 
 
 @pytest.mark.timeout(120)

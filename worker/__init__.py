@@ -1,4 +1,5 @@
 """The in-process runtime behind ``rm.init()`` and the torch-facing collectives."""
+# ruff: noqa: F401 - this module re-exports the public API
 
 from ringmaster.worker.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather,
                                            allgather_async, allreduce, allreduce_, allreduce_async,
