@@ -21,3 +21,12 @@ def test_training_example_learns_under_ringrun():
     accuracy = float(re.search(r"final test accuracy ([0-9.]+)", result.stdout).group(1))
     assert accuracy > 0.85, result.stdout
     assert "ranks agree on the weights (max difference 0.0e+00)" in result.stdout
+
+
+@pytest.mark.timeout(90)
+def test_quick_start_runs_and_ranks_agree():
+    result = run_command([sys.executable, "-m", "ringmaster.launch", "-np", "2", sys.executable,
+                          str(ROOT / "examples" / "quickstart.py")], timeout=80, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    losses = re.findall(r"\[\d\]: \d final loss ([0-9.]+)", result.stdout)
+    assert len(losses) == 2 and losses[0] == losses[1], result.stdout

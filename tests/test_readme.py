@@ -11,3 +11,10 @@ def test_ci_runs_the_readme_test_command():
                    if line and not line.startswith(("#", "set ", "cd ", "export "))]
     assert ci_commands == ['pip install torch==2.13.0 -e ".[test]" && python -m pytest']
     assert ci_commands[0] in readme
+
+
+def test_readme_quick_start_is_the_example_file():
+    readme = (ROOT / "README.md").read_text()
+    code = (ROOT / "examples" / "quickstart.py").read_text()
+    body = code.split('"""', 2)[2].lstrip("\n")  # without the module docstring
+    assert body in readme
