@@ -9,6 +9,7 @@ training on the whole batch. Rank 0 prints the loss, accuracy and throughput per
 """
 
 import argparse
+import sys
 import time
 
 import torch
@@ -29,6 +30,33 @@ def make_data(samples: int, features: int, classes: int, seed: int = 0):
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 2 / fan_in ** 0.5)
         labels = teacher(inputs).argmax(dim=1)
     return inputs, labels
+
+
+class LineProgress:
+    """tqdm output for a pipe: one line per update instead of carriage-return redraws.
+
+    Under ringrun/mpirun, output reaches the terminal through MPI's forwarding, which passes
+    it on a whole line at a time, so a redrawn bar would only show up at the end.
+    """
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        for line in text.replace("\r", "\n").split("\n"):
+            if line.strip():
+                self.stream.write(line.rstrip() + "\n")
+
+    def flush(self):
+        self.stream.flush()
+
+
+def progress_bar(iterable, description):
+    """A progress bar on rank 0: redrawn in a terminal, a line a second through a pipe."""
+    if sys.stderr.isatty():
+        return tqdm(iterable, desc=description, disable=rm.rank() != 0, leave=False)
+    return tqdm(iterable, desc=description, disable=rm.rank() != 0, leave=False,
+                file=LineProgress(sys.stderr), mininterval=1.0, ascii=True, ncols=80)
 
 
 def main():
@@ -63,7 +91,7 @@ def main():
         started = time.perf_counter()
         order = torch.randperm(len(train_inputs), generator=torch.Generator().manual_seed(epoch + 100 * rm.rank()))
         total_loss = torch.zeros(1)
-        progress = tqdm(range(steps), desc=f"epoch {epoch}", disable=rm.rank() != 0, leave=False)
+        progress = progress_bar(range(steps), f"epoch {epoch}")
         for step in progress:
             batch = order[step * args.batch_size:(step + 1) * args.batch_size]
             optimizer.zero_grad()
