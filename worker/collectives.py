@@ -43,6 +43,7 @@ def _auto_name(kind: str, name: Optional[str]) -> str:
 
 
 def _check_tensor(tensor, what: str) -> torch.Tensor:
+    """Validate ``tensor`` for ``what``; return its data (detached, same storage)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
@@ -51,7 +52,9 @@ def _check_tensor(tensor, what: str) -> torch.Tensor:
     if tensor.is_sparse:
         raise ValueError(f"{what}: sparse tensors are not supported; pass tensor.to_dense()")
     dtype_name(tensor, what)
-    return tensor
+    # Collectives move data, outside autograd (as Horovod's do): a parameter that requires
+    # grad may be broadcast or reduced in place. detach() shares the tensor's storage.
+    return tensor.detach()
 
 
 def _resolve_op(average, op, what: str) -> int:
@@ -105,15 +108,15 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
     handle = state.handles.new(base, parts=len(tensors), as_list=not single)
     group = "" if single else base
     for index, tensor in enumerate(tensors):
-        _check_tensor(tensor, what)
-        _check_reduction(tensor, op, prescale_factor, postscale_factor, what)
+        data = _check_tensor(tensor, what)
+        _check_reduction(data, op, prescale_factor, postscale_factor, what)
         entry_name = base if single else f"{base}.{index}"
-        source = tensor if tensor.is_contiguous() else tensor.contiguous()
+        source = data if data.is_contiguous() else data.contiguous()
         output, copy_back = None, None  # out of place: the background thread makes the result
         if in_place:  # reduce in the tensor itself, or in a contiguous copy that is copied back
-            output, copy_back = source, (None if source is tensor else tensor)
+            output, copy_back = source, (None if source is data else data)
         entries.append(Entry(entry_name, pb.ALLREDUCE, source, handle, part=index, output=output,
-                             copy_back=copy_back))
+                             copy_back=copy_back, returns=tensor if in_place else None))
         requests.append(_request(entry_name, pb.ALLREDUCE, source, reduce_op=op,
                                  prescale_factor=float(prescale_factor),
                                  postscale_factor=float(postscale_factor),
@@ -178,13 +181,13 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 # ----------------------------------------------------- data-moving collectives
 def _submit_single(kind: str, op_type: int, tensor, name, output=None, copy_back=None, finish=None,
-                   flush: bool = False, **fields) -> int:
+                   flush: bool = False, returns=None, **fields) -> int:
     state = runtime()
-    _check_tensor(tensor, kind)
+    data = _check_tensor(tensor, kind)
     name = _auto_name(kind, name)
-    source = tensor if tensor.is_contiguous() else tensor.contiguous()
+    source = data if data.is_contiguous() else data.contiguous()
     handle = state.handles.new(name, finish=finish)
-    entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back)
+    entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back, returns=returns)
     state.submit([entry], [_request(name, op_type, source, **fields)], flush)
     return handle.id
 
@@ -214,8 +217,7 @@ def _check_root(root_rank, what: str) -> int:
 def broadcast_async(tensor, root_rank, name=None):
     """Start broadcasting ``tensor`` from ``root_rank``; the result is a new tensor."""
     _check_root(root_rank, "broadcast")
-    _check_tensor(tensor, "broadcast")
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    output = torch.empty_like(_check_tensor(tensor, "broadcast"), memory_format=torch.contiguous_format)
     return _submit_single("broadcast", pb.BROADCAST, tensor, name, output=output, root_rank=root_rank)
 
 
@@ -227,10 +229,10 @@ def broadcast(tensor, root_rank, name=None):
 def broadcast_async_(tensor, root_rank, name=None):
     """In-place :func:`broadcast_async`: ``tensor`` is overwritten with the root's."""
     _check_root(root_rank, "broadcast_")
-    _check_tensor(tensor, "broadcast_")
-    output, copy_back = _in_place_output(tensor)
-    return _submit_single("broadcast", pb.BROADCAST, tensor, name, output=output, copy_back=copy_back,
-                          root_rank=root_rank)
+    data = _check_tensor(tensor, "broadcast_")
+    output, copy_back = _in_place_output(data)
+    return _submit_single("broadcast", pb.BROADCAST, data, name, output=output, copy_back=copy_back,
+                          returns=tensor, root_rank=root_rank)
 
 
 def broadcast_(tensor, root_rank, name=None):

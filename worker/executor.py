@@ -42,6 +42,7 @@ class Entry:
     part: int = 0                            # position in a grouped handle
     output: Optional[torch.Tensor] = None    # where the result goes; None: a new tensor (out of place)
     copy_back: Optional[torch.Tensor] = None  # non-contiguous in-place target
+    returns: Optional[torch.Tensor] = None    # in place: the caller's own tensor, handed back
 
 
 class TensorTable:
@@ -150,8 +151,7 @@ class Executor:
     def _complete(entry: Entry, result) -> None:
         if entry.copy_back is not None:
             entry.copy_back.copy_(result)
-            result = entry.copy_back
-        entry.handle.set_result(result, entry.part)
+        entry.handle.set_result(result if entry.returns is None else entry.returns, entry.part)
 
     # ------------------------------------------------------------- allreduce
     def _allreduce(self, response: pb.Response) -> None:

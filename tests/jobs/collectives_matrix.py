@@ -195,6 +195,18 @@ for rows in (SIZE * 2, SIZE + 1, 1):
     check(f"reducescatter average rows={rows}", rm.reducescatter(inputs[RANK]),
           total[start:start + counts[RANK]] / SIZE, torch.float32)
 
+# ------------------------- parameters that require grad (collectives bypass autograd)
+params = [torch.nn.Parameter(torch.ones(3) * (RANK + 1)), torch.nn.Parameter(torch.ones(2, 3).t() * (RANK + 1))]
+for p in params:
+    check("broadcast_ parameter returns it", torch.tensor(rm.broadcast_(p, root_rank=0) is p), torch.tensor(True), torch.bool)
+check("broadcast_ parameter", params[1].detach(), torch.ones(3, 2), torch.float32)
+returned = rm.grouped_allreduce_(params, op=rm.Sum)
+check("grouped_allreduce_ parameters", params[1].detach(), torch.full((3, 2), float(SIZE)), torch.float32)
+check("grouped_allreduce_ returns them", torch.tensor(returned[0] is params[0] and returned[1] is params[1]),
+      torch.tensor(True), torch.bool)
+check("parameters still require grad", torch.tensor(all(p.requires_grad for p in params)), torch.tensor(True), torch.bool)
+check("allreduce_ parameter", rm.allreduce_(params[0], op=rm.Max).detach(), torch.full((3,), float(SIZE)), torch.float32)
+
 # --------------------------------------------------- errors keep the job alive
 try:
     rm.allreduce(torch.ones(3 + RANK), name="mismatched")
