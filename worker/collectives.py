@@ -89,11 +89,28 @@ def _request(name: str, op_type: int, tensor: torch.Tensor, **fields) -> pb.Tens
                             shape=tensor.shape, device=device_name(tensor), **fields)
 
 
+def _check_writable(tensor: torch.Tensor, what: str) -> None:
+    """In-place results need one memory location per element (not an ``expand()``-ed view)."""
+    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape)):
+        raise ValueError(f"{what}: several elements of this tensor share one memory location (an "
+                         f"expand()-ed view), so it cannot hold an in-place result; pass tensor.clone() "
+                         f"or use the out-of-place variant")
+
+
 def _in_place_output(tensor: torch.Tensor):
     """(output buffer, tensor to copy the result back into) for an in-place collective."""
     if tensor.is_contiguous():
         return tensor, None
     return torch.empty_like(tensor, memory_format=torch.contiguous_format), tensor
+
+
+def _submit_or_release(state, handle, entries, requests, flush: bool) -> None:
+    """Submit, or forget the handle if submitting fails (a duplicate name, a failed job)."""
+    try:
+        state.submit(entries, requests, flush)
+    except BaseException:
+        state.handles.release(handle.id)
+        raise
 
 
 # ----------------------------------------------------------------- allreduce
@@ -103,25 +120,29 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
     state = runtime()
     if not single and not tensors:
         raise ValueError(f"{what} needs at least one tensor")
-    base = _auto_name(what.rstrip("_").replace("_async", ""), name)
-    entries, requests = [], []
-    handle = state.handles.new(base, parts=len(tensors), as_list=not single)
-    group = "" if single else base
-    for index, tensor in enumerate(tensors):
+    prepared = []  # validate everything before anything is registered
+    for tensor in tensors:
         data = _check_tensor(tensor, what)
         _check_reduction(data, op, prescale_factor, postscale_factor, what)
-        entry_name = base if single else f"{base}.{index}"
         source = data if data.is_contiguous() else data.contiguous()
         output, copy_back = None, None  # out of place: the background thread makes the result
         if in_place:  # reduce in the tensor itself, or in a contiguous copy that is copied back
+            _check_writable(data, what)
             output, copy_back = source, (None if source is data else data)
+        prepared.append((tensor, source, output, copy_back))
+    base = _auto_name(what.rstrip("_").replace("_async", ""), name)
+    handle = state.handles.new(base, parts=len(tensors), as_list=not single)
+    group = "" if single else base
+    entries, requests = [], []
+    for index, (tensor, source, output, copy_back) in enumerate(prepared):
+        entry_name = base if single else f"{base}.{index}"
         entries.append(Entry(entry_name, pb.ALLREDUCE, source, handle, part=index, output=output,
                              copy_back=copy_back, returns=tensor if in_place else None))
         requests.append(_request(entry_name, pb.ALLREDUCE, source, reduce_op=op,
                                  prescale_factor=float(prescale_factor),
                                  postscale_factor=float(postscale_factor),
                                  group=group, group_size=0 if single else len(tensors)))
-    state.submit(entries, requests, flush)
+    _submit_or_release(state, handle, entries, requests, flush)
     return handle.id
 
 
@@ -188,7 +209,7 @@ def _submit_single(kind: str, op_type: int, tensor, name, output=None, copy_back
     source = data if data.is_contiguous() else data.contiguous()
     handle = state.handles.new(name, finish=finish)
     entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back, returns=returns)
-    state.submit([entry], [_request(name, op_type, source, **fields)], flush)
+    _submit_or_release(state, handle, [entry], [_request(name, op_type, source, **fields)], flush)
     return handle.id
 
 
@@ -230,6 +251,7 @@ def broadcast_async_(tensor, root_rank, name=None):
     """In-place :func:`broadcast_async`: ``tensor`` is overwritten with the root's."""
     _check_root(root_rank, "broadcast_")
     data = _check_tensor(tensor, "broadcast_")
+    _check_writable(data, "broadcast_")
     output, copy_back = _in_place_output(data)
     return _submit_single("broadcast", pb.BROADCAST, data, name, output=output, copy_back=copy_back,
                           returns=tensor, root_rank=root_rank)

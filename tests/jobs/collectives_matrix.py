@@ -207,6 +207,25 @@ check("grouped_allreduce_ returns them", torch.tensor(returned[0] is params[0] a
 check("parameters still require grad", torch.tensor(all(p.requires_grad for p in params)), torch.tensor(True), torch.bool)
 check("allreduce_ parameter", rm.allreduce_(params[0], op=rm.Max).detach(), torch.full((3,), float(SIZE)), torch.float32)
 
+# ----------------------------------------------------------------- edge cases
+check("allreduce of an empty tensor", rm.allreduce(torch.empty(0), op=rm.Sum), torch.empty(0), torch.float32)
+check("broadcast of an empty tensor", rm.broadcast(torch.empty(0, 3), root_rank=0), torch.empty(0, 3), torch.float32)
+empty_group = rm.grouped_allreduce([torch.empty(0), torch.ones(2)], op=rm.Sum)
+check("grouped allreduce with an empty member", empty_group[1], torch.full((2,), float(SIZE)), torch.float32)
+for label, call in [("allreduce_", rm.allreduce_), ("broadcast_", lambda t: rm.broadcast_(t, 0))]:
+    try:
+        call(torch.ones(1).expand(4))
+        check(f"{label} of an expanded view raises", torch.tensor(False), torch.tensor(True), torch.bool)
+    except ValueError as error:
+        check(f"{label} of an expanded view raises", torch.tensor("clone()" in str(error)), torch.tensor(True), torch.bool)
+pending = rm.allreduce_async(torch.ones(2), name="in.flight")
+try:
+    rm.allreduce_async(torch.ones(2), name="in.flight")
+    check("a name in flight cannot be reused", torch.tensor(False), torch.tensor(True), torch.bool)
+except ValueError:
+    check("a name in flight cannot be reused", torch.tensor(True), torch.tensor(True), torch.bool)
+check("the first one completes", rm.synchronize(pending), torch.full((2,), float(SIZE)), torch.float32)
+
 # --------------------------------------------------- errors keep the job alive
 try:
     rm.allreduce(torch.ones(3 + RANK), name="mismatched")
