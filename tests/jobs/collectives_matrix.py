@@ -218,7 +218,7 @@ for label, call in [("allreduce_", rm.allreduce_), ("broadcast_", lambda t: rm.b
         check(f"{label} of an expanded view raises", torch.tensor(False), torch.tensor(True), torch.bool)
     except ValueError as error:
         check(f"{label} of an expanded view raises", torch.tensor("clone()" in str(error)), torch.tensor(True), torch.bool)
-pending = rm.allreduce_async(torch.ones(2), name="in.flight")
+pending = rm.allreduce_async(torch.ones(2), name="in.flight", op=rm.Sum)
 try:
     rm.allreduce_async(torch.ones(2), name="in.flight")
     check("a name in flight cannot be reused", torch.tensor(False), torch.tensor(True), torch.bool)
