@@ -68,6 +68,7 @@ class Negotiator:
         self._ready: List[pb.Response] = []
         self._groups: Dict[str, List[pb.Response]] = {}
         self._joined: List[int] = []
+        self._departed: Dict[int, str] = {}  # rank -> who it was, for ranks that shut down
 
     # ------------------------------------------------------------------ input
     def add_request(self, rank: int, request: pb.TensorRequest) -> None:
@@ -87,7 +88,28 @@ class Negotiator:
                 f"give concurrent operations distinct names"))
             return
         entry.requests[rank] = request
+        if self._departed and not self._fail_if_orphaned(entry):
+            return
         self._complete_if_ready(entry)
+
+    def depart(self, rank: int, who: str) -> None:
+        """``rank`` shut down: tensors it never submitted can never complete, so they fail now."""
+        self._departed[rank] = who
+        for entry in list(self._pending.values()):
+            self._fail_if_orphaned(entry)
+
+    def _fail_if_orphaned(self, entry: PendingTensor) -> bool:
+        """Fail ``entry`` if a rank that shut down never submitted it; True if it may still complete."""
+        gone = [rank for rank in self._departed if rank not in entry.requests]
+        if not gone:
+            return True
+        who = ", ".join(f"rank {rank} ({self._departed[rank]})" for rank in gone)
+        self._finish(entry, _error_response(
+            entry.name, pb.RANK_FAILED,
+            f"{who} shut down without submitting tensor '{entry.name}', so it can never complete. Every "
+            f"rank must run the same collectives; a rank that runs out of data should call join() "
+            f"instead of leaving"))
+        return False
 
     def _join(self, rank: int) -> None:
         if rank not in self._joined:

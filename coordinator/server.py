@@ -195,6 +195,7 @@ class Coordinator:
         elif which == "goodbye":
             session.said_goodbye = True
             session.close()
+            self._negotiator.depart(session.rank, f"host {session.hostname}, pid {session.pid}")
 
     def _after_input(self) -> None:
         """Send what is ready, or, while other tensors are still arriving, wait one cycle to fuse."""

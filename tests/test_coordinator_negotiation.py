@@ -168,3 +168,21 @@ def test_declaring_a_pending_name_twice_is_an_error():
     negotiator.add_request(0, request("dup"))
     [response] = negotiator.pop_ready()
     assert response.error_kind == pb.INVALID_REQUEST and "twice" in response.error_message
+
+
+def test_tensors_a_departed_rank_never_submitted_fail_at_once():
+    negotiator = Negotiator(3)
+    negotiator.add_request(0, request("pending"))
+    negotiator.add_request(1, request("pending"))
+    negotiator.add_request(2, request("done.by.2"))
+    negotiator.depart(2, "host h, pid 7")
+    [failed] = negotiator.pop_ready()
+    assert failed.error_kind == pb.RANK_FAILED and list(failed.names) == ["pending"]
+    assert "rank 2 (host h, pid 7) shut down" in failed.error_message and "join()" in failed.error_message
+    negotiator.add_request(0, request("later"))  # submitted after the departure: fails at once
+    [later] = negotiator.pop_ready()
+    assert later.error_kind == pb.RANK_FAILED and list(later.names) == ["later"]
+    negotiator.add_request(0, request("done.by.2"))  # rank 2 did submit this one before leaving
+    negotiator.add_request(1, request("done.by.2"))
+    [done] = negotiator.pop_ready()
+    assert done.error_kind == pb.NO_ERROR

@@ -141,3 +141,23 @@ def test_a_dead_coordinator_is_reported_on_every_rank():
     lost = result.lines_starting("LOST")
     assert lost, result.output[-3000:]
     assert all("lost its connection to the ringmaster coordinator" in line for line in lost), result.output[-3000:]
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_leaves_early_fails_what_it_never_submitted():
+    result, seconds = run_timed(2, """
+        import time, torch, ringmaster as rm
+        rm.init()
+        rm.allreduce(torch.ones(1))
+        if rm.rank() == 1:
+            raise SystemExit(0)      # a clean exit, without join()
+        time.sleep(1)
+        try:
+            rm.allreduce(torch.ones(1), name="orphan")
+        except rm.RankFailedError as error:
+            print("ORPHAN", error, flush=True)
+    """, timeout=80, launcher=ringrun)
+    assert seconds < 30, result.output[-3000:]
+    [message] = result.lines_starting("ORPHAN")
+    assert "rank 1 (host" in message and "shut down without submitting tensor 'orphan'" in message
+    assert "join()" in message

@@ -20,7 +20,7 @@ import torch
 
 from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.errors import RingmasterError, TensorMismatchError
+from ringmaster.worker.errors import RankFailedError, RingmasterError, TensorMismatchError
 from ringmaster.worker.handles import Handle
 from ringmaster.worker.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
 
@@ -136,7 +136,8 @@ class Executor:
 
     def _execute(self, response: pb.Response) -> None:
         if response.error_kind != pb.NO_ERROR:
-            error_type = TensorMismatchError if response.error_kind == pb.MISMATCH else RingmasterError
+            error_type = {pb.MISMATCH: TensorMismatchError, pb.RANK_FAILED: RankFailedError}.get(
+                response.error_kind, RingmasterError)
             self._fail(response.names, error_type(f"{response.error_message} (reported on rank {self.rank})"))
             return
         self._run_response[response.op_type](response)
