@@ -13,6 +13,7 @@ round trip of a 4-byte allreduce (negotiation included).
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -56,10 +57,17 @@ def repetitions(nbytes, budget):
     return max(5, min(200, int(budget * 2e9 / max(nbytes, 1) / 3)))
 
 
+def progress(comm, text):
+    """What rank 0 is measuring now (a whole line each: MPI forwards output line by line)."""
+    if comm.rank == 0:
+        print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
 def bench_sizes(comm, budget):
     size = comm.size
     rows = []
-    for nbytes in SIZES:
+    for index, nbytes in enumerate(SIZES, 1):
+        progress(comm, f"size {index}/{len(SIZES)}: {label(nbytes)}")
         count = nbytes // 4
         tensor = torch.ones(count)
         in_place = torch.ones(count)
@@ -139,7 +147,9 @@ def main():
     comm = MPI.COMM_WORLD
     init_gloo(comm)
     sizes = bench_sizes(comm, args.budget)
+    progress(comm, "100 x 16 KiB async allreduces")
     small = bench_many_small(comm)
+    progress(comm, "4-byte round trips")
     latency = bench_latency(comm)
     if comm.rank == 0:
         algorithm = os.environ.get("RINGMASTER_ALLREDUCE", "auto")
