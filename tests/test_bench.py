@@ -1,0 +1,26 @@
+"""The benchmark scripts still run and print their tables (tiny budgets: a smoke test, not a timing)."""
+
+import pathlib
+import sys
+
+import pytest
+from mpijob import MPIRUN_ARGS, job_environment, run_command
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.mark.timeout(180)
+def test_allreduce_benchmark_prints_its_table():
+    result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "allreduce.py"),
+                          "--budget", "0.01"], timeout=170, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    assert "rm/mpi" in result.stdout and "64 MiB" in result.stdout
+    assert "100 x 16 KiB async allreduces" in result.stdout and "4-byte allreduce round trip" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_ring_vs_mpi_benchmark_prints_its_table():
+    result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "ring_vs_mpi.py"),
+                          "--sizes", "4K,1M", "--reps", "3"], timeout=110, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    assert "1 MiB" in result.stdout or "1M" in result.stdout, result.stdout
