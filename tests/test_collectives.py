@@ -79,3 +79,16 @@ def test_join_lets_ranks_with_less_data_finish_without_hanging(np):
     assert result.returncode == 0, result.output[-3000:]
     assert sorted(result.lines_starting("JOINED")) == [f"{r} {np - 1}" for r in range(np)]
     assert result.lines_starting("AFTER") == [str(float(np))] * np
+
+
+INTERLEAVED = (pathlib.Path(__file__).parent / "jobs" / "interleaved.py").read_text()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np,fusion", [(2, "67108864"), (4, "67108864"), (4, "0")])
+def test_many_mixed_async_collectives_in_flight(np, fusion):
+    result = mpirun(np, INTERLEAVED, timeout=110, env={"RINGMASTER_FUSION_THRESHOLD": fusion})
+    failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert not failures, "\n".join(failures[:20])
+    assert result.lines_starting("DONE") == ["200 operations, 0 failures"] * np, result.output[-3000:]
+    assert result.returncode == 0
