@@ -9,7 +9,7 @@ MATRIX = (pathlib.Path(__file__).parent / "jobs" / "collectives_matrix.py").read
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("np,algorithm", [(2, "ring"), (2, "mpi"), (4, "auto")])
+@pytest.mark.parametrize("np,algorithm", [(2, "ring"), (2, "mpi"), (3, "ring"), (4, "auto")])
 def test_collectives_match_the_single_process_reference(np, algorithm):
     result = mpirun(np, MATRIX, timeout=200, env={"RINGMASTER_ALLREDUCE": algorithm})
     failures = [line for line in result.output.splitlines() if line.startswith(("FAIL", "  got", "  expected"))]
