@@ -335,10 +335,4 @@ def _join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def serve(size: int, secret: str, config: Config, bind_host: str = "127.0.0.1", port: int = 0,
-          persistent: bool = False) -> Coordinator:
-    """Start a coordinator and return it (call :meth:`Coordinator.stop` to end it)."""
-    return Coordinator(size, secret, config, bind_host, port, persistent).start()
-
-
-__all__ = ["Coordinator", "serve", "RankSession"]
+__all__ = ["Coordinator", "RankSession"]

@@ -237,7 +237,7 @@ class Executor:
         dtype = SUPPORTED_DTYPES[response.dtype]
         row_shape = tuple(response.shapes[0].dims[1:])
         first_dims = list(response.first_dims)
-        row_bytes = math.prod(row_shape) * _itemsize(dtype)
+        row_bytes = math.prod(row_shape) * dtype.itemsize
         output = torch.empty((sum(first_dims), *row_shape), dtype=dtype)
         send = byte_array(entry.tensor) if entry is not None else np.empty(0, dtype=np.uint8)
         received = ops.allgatherv(self.comm, send, [d * row_bytes for d in first_dims])
@@ -256,7 +256,7 @@ class Executor:
         entry = self.table.take(response.names[0])
         dtype = entry.tensor.dtype
         row_shape = tuple(entry.tensor.shape[1:])
-        row_bytes = math.prod(row_shape) * _itemsize(dtype)
+        row_bytes = math.prod(row_shape) * dtype.itemsize
         splits = np.asarray(response.splits, dtype=np.int64).reshape(self.size, self.size)
         send_rows, receive_rows = splits[self.rank], splits[:, self.rank]
         output = torch.empty((int(receive_rows.sum()), *row_shape), dtype=dtype)
@@ -295,10 +295,6 @@ def reducescatter_rows(first_dim: int, size: int) -> List[int]:
     """Rows of the result on each rank: as even as possible, the first ranks take the extra."""
     base, extra = divmod(first_dim, size)
     return [base + (1 if r < extra else 0) for r in range(size)]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _identity(reduce_op: int, dtype: torch.dtype):

@@ -51,6 +51,3 @@ def byte_array(tensor: torch.Tensor) -> np.ndarray:
         return np.empty(0, dtype=np.uint8)
     return flat.view(torch.uint8).numpy()
 
-
-def is_floating(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point
