@@ -18,10 +18,16 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "barrier", "join", "poll", "synchronize",
+    "barrier", "join", "poll", "synchronize", "sparse_allreduce_async",
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
+    "DistributedOptimizer", "Compression", "Compressor",
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
+    "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "RingmasterError", "TensorMismatchError", "RankFailedError", "StalledTensorError",
     "CoordinatorUnreachableError", "NotInitializedError", "HorovodInternalError",
+    "SyncBatchNorm",
 ]
 
 

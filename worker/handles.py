@@ -55,6 +55,36 @@ class Handle:
         return self._result
 
 
+class DerivedHandle:
+    """A result computed, in the waiting thread, from the results of other handles.
+
+    ``inner`` are handle ids registered in the same table; waiting synchronizes (and so
+    releases) them, then returns ``combine(*their results)``.
+    """
+
+    __slots__ = ("id", "name", "_table", "_inner", "_combine")
+
+    def __init__(self, handle_id: int, name: str, table: "HandleTable", inner, combine):
+        self.id = handle_id
+        self.name = name
+        self._table = table
+        self._inner = list(inner)
+        self._combine = combine
+
+    def done(self) -> bool:
+        return all(self._table.get(inner).done() for inner in self._inner)
+
+    def wait(self) -> Any:
+        results = []
+        try:
+            for inner in self._inner:
+                results.append(self._table.get(inner).wait())
+        finally:
+            for inner in self._inner:
+                self._table.release(inner)
+        return self._combine(*results)
+
+
 class HandleTable:
     """Integer handle ids (as Horovod returns them) mapped to :class:`Handle` objects."""
 
@@ -65,6 +95,13 @@ class HandleTable:
 
     def new(self, name: str, parts: int = 1, finish=None, as_list: bool = False) -> Handle:
         handle = Handle(next(self._ids), name, parts, finish, as_list)
+        with self._lock:
+            self._handles[handle.id] = handle
+        return handle
+
+    def new_derived(self, name: str, inner, combine) -> DerivedHandle:
+        """A handle whose result is ``combine`` of the results of the ``inner`` handle ids."""
+        handle = DerivedHandle(next(self._ids), name, self, inner, combine)
         with self._lock:
             self._handles[handle.id] = handle
         return handle
@@ -85,4 +122,5 @@ class HandleTable:
         with self._lock:
             handles = list(self._handles.values())
         for handle in handles:
-            handle.set_error(error)
+            if isinstance(handle, Handle):  # a derived handle fails through its inner ones
+                handle.set_error(error)

@@ -1,0 +1,181 @@
+"""broadcast_parameters, broadcast_optimizer_state, broadcast_object, allgather_object,
+checkpoint resume and DistributedOptimizer's argument checks.
+
+Run under mpirun. Prints one ``FAIL`` line per wrong result, then ``DONE <cases> cases, <failures> failures``.
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+import ringmaster as rm
+from ringmaster.worker import functions
+
+rm.init()
+RANK, SIZE = rm.rank(), rm.size()
+torch.set_num_threads(1)
+cases = failures = 0
+
+
+def report(case, ok, detail=""):
+    global cases, failures
+    cases += 1
+    if not ok:
+        failures += 1
+        print(f"FAIL {case} (rank {RANK}) {detail}", flush=True)
+
+
+def same_state(a, b):
+    """Exact equality of two optimizer state_dicts (tensors bit for bit, Python values ==)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def model_for(rank):
+    torch.manual_seed(100 + rank)  # a different model on every rank
+    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+# ------------------------------------------------------------ broadcast_parameters
+root_model = model_for(0)
+for label, take in [("state_dict", lambda m: m.state_dict()), ("named_parameters", lambda m: m.named_parameters()),
+                    ("parameters", lambda m: m.parameters())]:
+    for root in {0, SIZE - 1}:
+        model = model_for(RANK)
+        expected = model_for(root)
+        rm.broadcast_parameters(take(model), root_rank=root)
+        got = model.state_dict() if label == "state_dict" else dict(model.named_parameters())
+        want = expected.state_dict() if label == "state_dict" else dict(expected.named_parameters())
+        report(f"broadcast_parameters({label}) from {root}",
+               all(torch.equal(got[k], want[k]) for k in want))
+
+# ------------------------------------------------------- broadcast_optimizer_state
+def stepped(optimizer_class, rank, steps, **kwargs):
+    model = model_for(0)
+    optimizer = optimizer_class(model.parameters(), **kwargs)
+    torch.manual_seed(rank)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(4, 5)).pow(2).mean().backward()
+        optimizer.step()
+    return optimizer
+
+
+for optimizer_class, kwargs in [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 0.01}),
+                                (torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.5})]:
+    name = optimizer_class.__name__
+    # Rank 0 has trained for 3 steps with its own hyperparameters; the others are fresh.
+    root_kwargs = {**kwargs, "lr": kwargs["lr"] * 3}
+    optimizer = (stepped(optimizer_class, 0, 3, **root_kwargs) if RANK == 0
+                 else stepped(optimizer_class, RANK, 0, **kwargs))
+    rm.broadcast_optimizer_state(optimizer, root_rank=0)
+    expected = stepped(optimizer_class, 0, 3, **root_kwargs).state_dict()
+    report(f"broadcast_optimizer_state({name}) onto fresh optimizers", same_state(optimizer.state_dict(), expected),
+           f"\n got {optimizer.state_dict()}\n want {expected}")
+    # Fresh everywhere: state stays empty, the root's hyperparameters arrive, no step is taken.
+    optimizer = stepped(optimizer_class, RANK, 0, **(root_kwargs if RANK == 0 else kwargs))
+    wrapped = rm.DistributedOptimizer(optimizer)
+    rm.broadcast_optimizer_state(wrapped, root_rank=0)
+    report(f"broadcast_optimizer_state({name}) fresh on every rank",
+           same_state(wrapped.state_dict(), stepped(optimizer_class, 0, 0, **root_kwargs).state_dict()))
+
+# ----------------------------------------------------------- object collectives
+objects = [None, 3, "text", {"epoch": 7, "nested": [1.5, (2, "x")]}, torch.arange(5), b"\x00" * 100_000]
+for index, obj in enumerate(objects):
+    mine = obj if RANK == 1 % SIZE else "not this one"
+    got = rm.broadcast_object(mine, root_rank=1 % SIZE)
+    report(f"broadcast_object #{index}", same_state(got, obj))
+everyone = rm.allgather_object({"rank": RANK, "payload": "x" * (RANK * 1000)})
+report("allgather_object", everyone == [{"rank": r, "payload": "x" * (r * 1000)} for r in range(SIZE)])
+
+functions.OBJECT_CHUNK_BYTES = 1000  # exercise the chunked path with small objects
+big = list(range(RANK * 2000))  # ranks differ in size; rank 0's is the smallest
+report("allgather_object in chunks", rm.allgather_object(big) == [list(range(r * 2000)) for r in range(SIZE)])
+report("broadcast_object in chunks", rm.broadcast_object(big, root_rank=SIZE - 1) == list(range((SIZE - 1) * 2000)))
+functions.OBJECT_CHUNK_BYTES = 1 << 30
+
+# ------------------------------------------------------------- checkpoint resume
+def run(steps, start_model=None, start_optimizer=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = rm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.05),
+                                        named_parameters=model.named_parameters())
+    if start_model is not None and RANK == 0:  # only rank 0 reads the checkpoint
+        model.load_state_dict(start_model)
+        optimizer.load_state_dict(start_optimizer)
+    rm.broadcast_parameters(model.state_dict(), root_rank=0)
+    rm.broadcast_optimizer_state(optimizer, root_rank=0)
+    generator = torch.Generator().manual_seed(11)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(SIZE * 4, 5, generator=generator)
+        if start_model is not None and step < 3:
+            continue  # the resumed run skips the batches it already trained on
+        optimizer.zero_grad()
+        loss = (model(x[RANK * 4:(RANK + 1) * 4]) - 1).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(rm.allreduce(loss.detach(), name=f"loss.{step}").item())
+    return losses, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+
+
+straight, _, _ = run(6)
+first, model_state, optimizer_state = run(3)
+resumed, _, _ = run(6, model_state, optimizer_state)
+report("resume from a checkpoint continues the loss curve", first + resumed == straight,
+       f"{first + resumed} != {straight}")
+
+# ------------------------------------------------------------------ bad input
+model = model_for(0)
+params = dict(model.named_parameters())
+
+
+def refuses(case, make, error, words):
+    try:
+        make()
+    except error as caught:
+        report(case, all(word in str(caught) for word in words), f"message: {caught}")
+    else:
+        report(case, False, "no error raised")
+
+
+sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+refuses("duplicate names", lambda: rm.DistributedOptimizer(
+    sgd(), named_parameters=[("w", p) for p in model.parameters()]), ValueError, ["duplicate", "w"])
+refuses("missing names", lambda: rm.DistributedOptimizer(
+    sgd(), named_parameters=list(model.named_parameters())[:1]), ValueError, ["misses", "named_parameters"])
+refuses("not pairs", lambda: rm.DistributedOptimizer(sgd(), named_parameters=list(model.parameters())),
+        ValueError, ["(name, parameter)"])
+refuses("backward_passes_per_step=0", lambda: rm.DistributedOptimizer(sgd(), backward_passes_per_step=0),
+        ValueError, ["backward_passes_per_step"])
+refuses("groups=0", lambda: rm.DistributedOptimizer(sgd(), groups=0), ValueError, ["groups"])
+refuses("a parameter in two groups", lambda: rm.DistributedOptimizer(
+    sgd(), groups=[[params["0.weight"]], [params["0.weight"]]]), ValueError, ["more than one group"])
+refuses("Adasum", lambda: rm.DistributedOptimizer(sgd(), op=rm.Adasum), NotImplementedError, ["Adasum"])
+refuses("not an optimizer", lambda: rm.DistributedOptimizer(model), TypeError, ["torch.optim.Optimizer"])
+refuses("wrapped twice", lambda: rm.DistributedOptimizer(rm.DistributedOptimizer(sgd())), ValueError, ["already"])
+refuses("bad compression", lambda: rm.DistributedOptimizer(sgd(), compression="fp16"), TypeError, ["compress"])
+refuses("broadcast_object of an unpicklable object", lambda: rm.broadcast_object(lambda: 0) if RANK == 0
+        else (_ for _ in ()).throw(TypeError("cannot be pickled (skipped off root)")), TypeError, ["pickled"])
+refuses("broadcast_parameters of a tensor", lambda: rm.broadcast_parameters(torch.ones(2), 0), ValueError,
+        ["state_dict"])
+
+optimizer = rm.DistributedOptimizer(sgd(), named_parameters=model.named_parameters())
+model(torch.randn(4, 5)).sum().backward()
+if SIZE > 1:
+    refuses("zero_grad with gradients in flight", optimizer.zero_grad, AssertionError, ["step()"])
+    refuses("two backward passes with backward_passes_per_step=1",
+            lambda: model(torch.randn(4, 5)).sum().backward(), AssertionError, ["backward_passes_per_step"])
+optimizer.step()
+optimizer.zero_grad()
+report("build queries answer for ringmaster", rm.mpi_built() and rm.mpi_enabled() and not rm.gloo_built()
+       and not rm.nccl_built() and not rm.cuda_built())
+
+print(f"DONE {cases} cases, {failures} failures", flush=True)
+rm.shutdown()

@@ -1,0 +1,234 @@
+"""DistributedOptimizer on N ranks x batch b against plain torch on one process x batch N*b.
+
+Run under mpirun. Each rank builds the same seeded model and the same global batches; it
+trains its shard with ringmaster and, alongside, a private copy on the whole batch with
+plain torch (no ringmaster), and compares the parameters after several steps. Prints one
+``FAIL`` line per mismatch, then ``DONE <cases> cases, <failures> failures``.
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+import ringmaster as rm
+
+rm.init()
+RANK, SIZE = rm.rank(), rm.size()
+torch.set_num_threads(1)
+BATCH, STEPS = 4, 4
+cases = failures = 0
+
+
+def report(case, ok, detail=""):
+    global cases, failures
+    cases += 1
+    if not ok:
+        failures += 1
+        print(f"FAIL {case} (rank {RANK}) {detail}", flush=True)
+
+
+def close(case, model, reference, tolerance=1e-5):
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    report(case, worst <= tolerance, f"max difference {worst:.3g} > {tolerance}")
+
+
+def identical_across_ranks(case, model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = rm.allgather(flat.unsqueeze(0), name=f"{case}.identical")
+    report(f"{case}: bit-identical across ranks", all(torch.equal(gathered[0], row) for row in gathered))
+
+
+class Net(nn.Module):
+    """An MLP with a frozen layer and, optionally, a branch that only some ranks take."""
+
+    def __init__(self, branch=False):
+        super().__init__()
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+        self.branch = nn.Linear(16, 3) if branch else None
+
+    def forward(self, x, use_branch=False):
+        hidden = self.body(self.frozen(x))
+        out = self.head(hidden)
+        return out + self.branch(hidden) if use_branch else out
+
+
+def batches(seed):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS * 2):
+        yield torch.randn(SIZE * BATCH, 6, generator=generator), torch.randint(0, 3, (SIZE * BATCH,),
+                                                                                generator=generator)
+
+
+def shard(tensor):
+    return tensor[RANK * BATCH:(RANK + 1) * BATCH]
+
+
+def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=None, scheduler=False, **options):
+    """Train ringmaster (shards) and the reference (whole batch) side by side; compare."""
+    torch.manual_seed(1)
+    model = Net(branch=branch_on_rank is not None)
+    reference = copy.deepcopy(model)
+    optimizer = rm.DistributedOptimizer(make_optimizer(model.parameters()),
+                                        named_parameters=model.named_parameters(), backward_passes_per_step=passes,
+                                        **options)
+    reference_optimizer = make_optimizer(reference.parameters())
+    schedulers = []
+    if scheduler:
+        schedulers = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
+                      torch.optim.lr_scheduler.StepLR(reference_optimizer, step_size=1, gamma=0.5)]
+    loss_fn = nn.CrossEntropyLoss()
+    data = batches(seed=7)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        for _ in range(passes):
+            x, y = next(data)
+            # The branch is taken on one rank only; the reference takes it for that rank's rows.
+            use = branch_on_rank is not None
+            loss = loss_fn(model(shard(x), use_branch=use and RANK == branch_on_rank), shard(y)) * scale
+            loss.backward()
+            total = 0
+            for r in range(SIZE):
+                rows = slice(r * BATCH, (r + 1) * BATCH)
+                total = total + loss_fn(reference(x[rows], use_branch=use and r == branch_on_rank), y[rows])
+            (total / SIZE).backward()
+        if clip is not None:
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
+        reference_optimizer.step()
+        for each in schedulers:
+            each.step()
+    close(case, model, reference)
+    identical_across_ranks(case, model)
+    report(f"{case}: frozen layer untouched", torch.equal(model.frozen.weight, reference.frozen.weight))
+    return optimizer
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+train("sgd momentum", sgd)
+train("adam", adam)
+train("adamw", lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1))
+train("sgd backward_passes_per_step=2", sgd, passes=2)
+train("adam backward_passes_per_step=2", adam, passes=2)
+train("sgd gradient_predivide_factor=2", sgd, gradient_predivide_factor=2.0)
+train("adam gradient_predivide_factor=4", adam, gradient_predivide_factor=4.0)
+train("sgd groups=2", sgd, groups=2)
+train("sgd op=Sum", sgd, op=rm.Sum, scale=1.0 / SIZE)
+train("sgd with a branch only rank 0 takes", sgd, branch_on_rank=0)
+train("adamw with a branch only the last rank takes", lambda params: torch.optim.AdamW(params, lr=0.01),
+      branch_on_rank=SIZE - 1)
+
+
+def unused_by_every_rank():
+    """A parameter no rank produced a gradient for gets a zero gradient everywhere (no hang)."""
+    torch.manual_seed(1)
+    model = Net(branch=True)
+    optimizer = rm.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters())
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(torch.randn(BATCH, 6)), torch.zeros(BATCH, dtype=torch.long)).backward()
+    optimizer.step()
+    report("unused parameter gets a zero gradient", torch.equal(model.branch.weight.grad,
+                                                                torch.zeros_like(model.branch.weight)))
+    identical_across_ranks("unused by every rank", model)
+
+
+unused_by_every_rank()
+train("adam gradient clipping after synchronize", adam, clip=0.05)
+optimizer = train("sgd with StepLR", sgd, scheduler=True)
+report("StepLR halves the wrapped optimizer's lr", abs(optimizer.param_groups[0]["lr"] - 0.1 * 0.5 ** STEPS) < 1e-12)
+
+
+def grouped_by_list():
+    torch.manual_seed(1)
+    model = Net()
+    groups = [[model.body[0].weight, model.body[0].bias], [model.head.weight, model.body[2].weight]]
+    return model, groups
+
+
+# groups= as lists of parameters: build the model first so the groups can name its tensors.
+def train_with_list_groups():
+    model, groups = grouped_by_list()
+    reference = copy.deepcopy(model)
+    optimizer = rm.DistributedOptimizer(adam(model.parameters()), named_parameters=model.named_parameters(),
+                                        groups=groups)
+    reference_optimizer = adam(reference.parameters())
+    data = batches(seed=3)
+    for _ in range(STEPS):
+        x, y = next(data)
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        nn.functional.cross_entropy(model(shard(x)), shard(y)).backward()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+        reference_optimizer.step()
+    close("adam groups=list of lists", model, reference)
+
+
+train_with_list_groups()
+
+
+def train_sparse(case, sparse_as_dense):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2))
+    reference = copy.deepcopy(model)
+    optimizer = rm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                        named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 50, (SIZE * BATCH, 3), generator=generator)
+        target = torch.randn(SIZE * BATCH, 2, generator=generator)
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        nn.functional.mse_loss(model(shard(tokens)), shard(target)).backward()
+        nn.functional.mse_loss(reference(tokens), target).backward()
+        optimizer.step()
+        reference_optimizer.step()
+    close(case, model, reference)
+
+
+train_sparse("sparse embedding gradient (allgather)", sparse_as_dense=False)
+train_sparse("sparse embedding gradient, sparse_as_dense", sparse_as_dense=True)
+
+
+def fp16_compression():
+    torch.manual_seed(1)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer = rm.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                        compression=rm.Compression.fp16)
+    reference_optimizer = sgd(reference.parameters())
+    data = batches(seed=9)
+    for _ in range(STEPS):
+        x, y = next(data)
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        nn.functional.cross_entropy(model(shard(x)), shard(y)).backward()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+        reference_optimizer.step()
+    close("Compression.fp16 (float16 rounding)", model, reference, tolerance=5e-3)
+    report("Compression.fp16 keeps gradients float32", all(p.grad.dtype == torch.float32 for p in model.parameters()
+                                                            if p.grad is not None))
+    identical_across_ranks("Compression.fp16", model)
+
+
+fp16_compression()
+print(f"DONE {cases} cases, {failures} failures", flush=True)
+rm.shutdown()

@@ -1,0 +1,177 @@
+"""Model-level helpers built on the collectives: broadcasting parameters, optimizer state
+and arbitrary Python objects, and gathering objects from every rank."""
+
+from __future__ import annotations
+
+import collections.abc
+import pickle
+from typing import Any, List, Optional
+
+import torch
+
+from ringmaster.worker import collectives
+from ringmaster.worker.runtime import runtime
+
+#: Object payloads move in chunks of at most this many bytes (MPI counts are 32-bit).
+OBJECT_CHUNK_BYTES = 1 << 30
+
+
+def broadcast_parameters(params, root_rank: int) -> None:
+    """Overwrite the parameters on every rank with ``root_rank``'s, in place.
+
+    ``params`` is a ``state_dict()`` (a mapping of names to tensors) or the output of
+    ``named_parameters()`` / ``parameters()``. Call it on every rank, with the same model.
+    """
+    if isinstance(params, collections.abc.Mapping):
+        named = sorted(params.items())
+    elif isinstance(params, collections.abc.Iterable) and not isinstance(params, torch.Tensor):
+        named = [item if isinstance(item, tuple) else (None, item) for item in params]
+    else:
+        raise ValueError(f"broadcast_parameters takes a state_dict() or named_parameters(), "
+                         f"got {type(params).__name__}")
+    handles = []
+    try:
+        for index, (name, tensor) in enumerate(named):
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"broadcast_parameters: entry {name or index!r} is a {type(tensor).__name__}, "
+                                 f"not a tensor; pass model.state_dict() or model.named_parameters()")
+            label = name if name is not None else str(index)
+            handles.append(collectives.broadcast_async_(tensor, root_rank, name=f"broadcast_parameters.{label}"))
+    finally:  # wait for what was started even when a later entry is invalid
+        for handle in handles:
+            collectives.synchronize(handle)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (pickled; any size)."""
+    state = runtime()
+    collectives._check_root(root_rank, "broadcast_object")
+    base = collectives._auto_name("broadcast_object", name)
+    payload = _dumps(obj) if state.rank == root_rank else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    collectives.broadcast_(length, root_rank, name=f"{base}.size")
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+            else torch.empty(int(length), dtype=torch.uint8))
+    handles = [collectives.broadcast_async_(chunk, root_rank, name=f"{base}.{index}")
+               for index, chunk in enumerate(data.split(OBJECT_CHUNK_BYTES))]
+    for handle in handles:
+        collectives.synchronize(handle)
+    return obj if state.rank == root_rank else pickle.loads(data.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
+    """Return the list of every rank's ``obj``, indexed by rank (pickled; any size)."""
+    state = runtime()
+    base = collectives._auto_name("allgather_object", name)
+    payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+    sizes = collectives.allgather(torch.tensor([payload.numel()], dtype=torch.int64),
+                                  name=f"{base}.size").tolist()
+    # Round r moves bytes [r*chunk, (r+1)*chunk) of every payload; a finished rank sends none.
+    rounds = max(1, -(-max(sizes) // OBJECT_CHUNK_BYTES))
+    handles = [collectives.allgather_async(payload[r * OBJECT_CHUNK_BYTES:(r + 1) * OBJECT_CHUNK_BYTES],
+                                           name=f"{base}.{r}") for r in range(rounds)]
+    pieces = [[] for _ in range(state.size)]
+    for r, handle in enumerate(handles):
+        gathered = collectives.synchronize(handle)
+        offset = 0
+        for rank, size in enumerate(sizes):
+            count = min(OBJECT_CHUNK_BYTES, max(0, size - r * OBJECT_CHUNK_BYTES))
+            pieces[rank].append(gathered[offset:offset + count].numpy().tobytes())
+            offset += count
+    return [obj if rank == state.rank else pickle.loads(b"".join(parts)) for rank, parts in enumerate(pieces)]
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Make ``optimizer``'s state and hyperparameters on every rank equal to ``root_rank``'s.
+
+    Covers the per-parameter state (tensors such as momentum buffers and Python values such
+    as ``step``) and every entry of ``param_groups`` (``lr``, ``momentum``, ...). It works
+    on a freshly built optimizer whose state is still empty, without taking a step: ranks
+    end up with exactly the root's state, empty or not. Works on a ``DistributedOptimizer``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    state = runtime()
+    is_root = state.rank == collectives._check_root(root_rank, "broadcast_optimizer_state")
+    local = optimizer.state_dict()
+    # The structure (and every Python value) travels pickled; tensors travel as tensors.
+    tensors: List[torch.Tensor] = []
+    skeleton = _replace_tensors(local, tensors) if is_root else None
+    skeleton = broadcast_object(skeleton, root_rank, name="broadcast_optimizer_state.structure")
+    if is_root:
+        received = tensors
+    else:
+        received = [torch.empty(shape, dtype=dtype) for shape, dtype in _placeholders(skeleton)]
+    handles = [collectives.broadcast_async_(tensor, root_rank, name=f"broadcast_optimizer_state.{index}")
+               for index, tensor in enumerate(received)]
+    for handle in handles:
+        collectives.synchronize(handle)
+    if is_root:
+        return
+    root_state = _restore_tensors(skeleton, iter(received))
+    try:
+        optimizer.load_state_dict(root_state)
+    except ValueError as error:
+        raise ValueError(f"broadcast_optimizer_state: rank {state.rank} cannot take rank {root_rank}'s "
+                         f"optimizer state ({error}); every rank must build the same optimizer over the "
+                         f"same parameters") from None
+
+
+class _TensorSlot:
+    """Where a tensor was in a pickled structure: its position, shape and dtype."""
+
+    def __init__(self, index: int, tensor: torch.Tensor):
+        self.index, self.shape, self.dtype = index, tuple(tensor.shape), tensor.dtype
+
+
+def _replace_tensors(value, tensors: List[torch.Tensor]):
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().cpu().contiguous())
+        return _TensorSlot(len(tensors) - 1, value)
+    if isinstance(value, dict):
+        return {key: _replace_tensors(item, tensors) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace_tensors(item, tensors) for item in value)
+    return value
+
+
+def _placeholders(value):
+    """(shape, dtype) of each tensor slot in ``value``, in slot order."""
+    slots: List[_TensorSlot] = []
+
+    def walk(item):
+        if isinstance(item, _TensorSlot):
+            slots.append(item)
+        elif isinstance(item, dict):
+            for child in item.values():
+                walk(child)
+        elif isinstance(item, (list, tuple)):
+            for child in item:
+                walk(child)
+
+    walk(value)
+    slots.sort(key=lambda slot: slot.index)
+    return [(slot.shape, slot.dtype) for slot in slots]
+
+
+def _restore_tensors(value, received):
+    tensors = list(received)
+
+    def restore(item):
+        if isinstance(item, _TensorSlot):
+            return tensors[item.index]
+        if isinstance(item, dict):
+            return {key: restore(child) for key, child in item.items()}
+        if isinstance(item, (list, tuple)):
+            return type(item)(restore(child) for child in item)
+        return item
+
+    return restore(value)
+
+
+def _dumps(obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as error:  # noqa: BLE001 - pickle raises many types
+        raise TypeError(f"rank {runtime().rank}: the object cannot be pickled ({type(error).__name__}: "
+                        f"{error}); send picklable data (plain containers, numbers, strings, tensors)") from None

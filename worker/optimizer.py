@@ -1,0 +1,300 @@
+"""``DistributedOptimizer``: wraps a torch optimizer so that ``step()`` applies gradients
+averaged over all ranks.
+
+Each parameter's gradient starts its allreduce from a hook the moment autograd has
+accumulated it, so the gradients of the last layers travel while the backward pass of the
+first layers still runs. ``step()`` waits for them, then runs the wrapped optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ringmaster.worker import collectives
+from ringmaster.worker.compression import Compression
+from ringmaster.worker.runtime import runtime
+from ringmaster.worker.sparse import sparse_allreduce_async
+
+_NAME_PREFIX = "DistributedOptimizer."
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
+
+    def _setup(self, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups, sparse_as_dense) -> None:
+        self._compression = compression
+        self._op = op
+        self._predivide = float(gradient_predivide_factor)
+        self._sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = backward_passes_per_step
+        self._parameter_names = _parameter_names(self.param_groups, named_parameters)
+        ordered = [p for group in self.param_groups for p in group["params"]]
+        self._requires_update = [p for p in ordered if p.requires_grad]
+        self._delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._requires_update}
+        # Parameter -> (handle, compression context, tensor sent); handle None: not started.
+        self._handles: Dict[torch.Tensor, Tuple[Optional[int], object, Optional[torch.Tensor]]] = {}
+        self._group_of, self._groups = _make_groups(groups, self._requires_update)
+        self._group_ready: Dict[int, List[torch.Tensor]] = {}
+        self._hooks = []
+        self._synchronized = False
+        self._should_synchronize = True
+        if runtime().size > 1:
+            for p in self._requires_update:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
+
+    # ------------------------------------------------------------------ hooks
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        """Called by autograd once ``p.grad`` holds this backward pass's gradient."""
+        if self._delay[p] <= 0:
+            raise AssertionError(
+                f"the gradient of '{self._parameter_names[p]}' was computed more than "
+                f"backward_passes_per_step={self.backward_passes_per_step} times before step(); "
+                f"raise backward_passes_per_step to accumulate gradients locally, or call step()")
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            return
+        group = self._group_of.get(p)
+        if group is None:
+            self._handles[p] = self._allreduce_gradient_async(p)
+            return
+        ready = self._group_ready.setdefault(group, [])
+        ready.append(p)
+        self._handles[p] = (None, None, None)
+        if len(ready) == len(self._groups[group]):
+            self._allreduce_group_async(group)
+
+    def _scaling(self) -> Tuple[float, float]:
+        if self._op == collectives.Average:
+            # Average divides by the job size after the sum; the predivide factor splits that
+            # division between before (against overflow, e.g. in fp16) and after.
+            return 1.0 / self._predivide, self._predivide
+        return 1.0, 1.0
+
+    def _allreduce_gradient_async(self, p: torch.Tensor):
+        name = _NAME_PREFIX + self._parameter_names[p]
+        if p.grad is None:
+            # Another rank may have a gradient for it (a branch only it took): every rank must
+            # submit the same tensors, so this one contributes zeros.
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        if grad.is_sparse:
+            if not self._sparse_as_dense:
+                return sparse_allreduce_async(grad, name=name, op=self._op), None, None
+            grad = grad.to_dense()
+        compressed, ctx = self._compression.compress(grad)
+        prescale, postscale = self._scaling()
+        handle = collectives.allreduce_async_(compressed, name=name, op=self._op,
+                                              prescale_factor=prescale, postscale_factor=postscale)
+        return handle, ctx, compressed
+
+    def _allreduce_group_async(self, group: int) -> None:
+        members = self._groups[group]
+        grads, contexts = [], []
+        for p in members:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                raise ValueError(f"parameter '{self._parameter_names[p]}' has a sparse gradient and cannot be "
+                                 f"in a group; leave it out of groups= or pass sparse_as_dense=True")
+            compressed, ctx = self._compression.compress(p.grad)
+            grads.append(compressed)
+            contexts.append(ctx)
+        prescale, postscale = self._scaling()
+        handle = collectives.grouped_allreduce_async_(grads, name=f"{_NAME_PREFIX}group.{group}", op=self._op,
+                                                      prescale_factor=prescale, postscale_factor=postscale)
+        self._group_ready.pop(group, None)
+        for p, ctx, compressed in zip(members, contexts, grads):
+            self._handles[p] = ((handle, group), ctx, compressed)
+
+    # ------------------------------------------------------------- public API
+    def synchronize(self) -> None:
+        """Wait until every gradient is reduced and written into ``p.grad``.
+
+        Gradients not produced on this rank in this step are reduced as zeros, so that
+        every rank runs the same allreduces.
+        """
+        if runtime().size == 1 or not self._hooks:
+            self._synchronized = True
+            return
+        for p in self._requires_update:
+            if p not in self._handles:
+                self._handles[p] = (None, None, None)
+                group = self._group_of.get(p)
+                if group is not None:
+                    self._group_ready.setdefault(group, []).append(p)
+        for group in list(self._group_ready):
+            self._allreduce_group_async(group)
+        for p, (handle, _, _) in list(self._handles.items()):
+            if handle is None:
+                self._handles[p] = self._allreduce_gradient_async(p)
+        group_results = {}
+        try:
+            for p, (handle, ctx, sent) in self._handles.items():
+                if isinstance(handle, tuple):  # one handle shared by a group's parameters
+                    group_handle, group = handle
+                    if group not in group_results:
+                        group_results[group] = collectives.synchronize(group_handle)
+                    output = sent
+                else:
+                    output = collectives.synchronize(handle)
+                self._write_gradient(p, self._compression.decompress(output, ctx))
+        finally:
+            self._handles.clear()
+            for p in self._requires_update:
+                self._delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @staticmethod
+    def _write_gradient(p: torch.Tensor, reduced: torch.Tensor) -> None:
+        if reduced.is_sparse or p.grad.is_sparse:
+            p.grad = reduced
+        elif reduced is not p.grad:
+            p.grad.copy_(reduced)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Make ``step()`` skip its synchronization, after an explicit ``synchronize()``.
+
+        For example, to clip the averaged gradients::
+
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Wait for the averaged gradients (unless in ``skip_synchronize()``), then step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
+                              "optimizer.skip_synchronize(): the gradients are reduced twice. Wrap "
+                              "step() in `with optimizer.skip_synchronize():`", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super(self._ringmaster_base, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear the gradients; refused while their allreduces are in flight."""
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(); the gradients are still "
+                                 "being reduced. Call step() (or synchronize()) first")
+        return super(self._ringmaster_base, self).zero_grad(set_to_none=set_to_none)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression=Compression.none, backward_passes_per_step: int = 1,
+                         op=collectives.Average, gradient_predivide_factor: float = 1.0,
+                         groups=None, sparse_as_dense: bool = False):
+    """Wrap ``optimizer`` so that ``step()`` uses gradients reduced over all ranks.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``. The result is an instance of a subclass of
+            its class sharing its parameter groups and state: use it instead of the original.
+        named_parameters: ``model.named_parameters()``; names the allreduces (recommended).
+            Every parameter of the optimizer must be named, each name once.
+        compression: how gradients travel, e.g. ``Compression.fp16``.
+        backward_passes_per_step: backward passes accumulated locally before one allreduce.
+        op: ``Average`` (default), ``Sum`` or ``Adasum`` (not supported).
+        gradient_predivide_factor: with ``Average``, divide gradients by this factor before
+            the sum and by ``size / factor`` after it.
+        groups: an integer (split the parameters into that many fused groups) or a list of
+            lists of parameters; each group is reduced as one grouped allreduce once all its
+            gradients are ready.
+        sparse_as_dense: reduce sparse gradients as dense tensors instead of allgathering them.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if hasattr(optimizer, "_ringmaster_base"):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original once")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
+    if op == collectives.Adasum:
+        raise NotImplementedError("DistributedOptimizer: op=Adasum is not supported by ringmaster; "
+                                  "use Average or Sum")
+    if op not in (collectives.Average, collectives.Sum):
+        raise ValueError(f"DistributedOptimizer: op must be ringmaster.Average or ringmaster.Sum, got {op!r}")
+    if op != collectives.Average and gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor applies to op=Average only")
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
+    for method in ("compress", "decompress"):
+        if not callable(getattr(compression, method, None)):
+            raise TypeError(f"compression={compression!r} has no {method}() method; pass ringmaster.Compression.none, "
+                            f".fp16 or a class with static compress(tensor) and decompress(tensor, ctx)")
+    base = type(optimizer)
+    cls = type(base.__name__, (base,), {name: value for name, value in vars(_DistributedOptimizer).items()
+                                         if not name.startswith("__")})
+    cls._ringmaster_base = cls
+    wrapped = cls.__new__(cls)
+    # Share the wrapped optimizer's hyperparameters, parameter groups, state and hooks
+    # rather than rebuilding it (its constructor may need arguments we do not know). A
+    # `step` bound on the instance (an LR scheduler's counter) would bypass ours: drop it.
+    wrapped.__dict__.update({key: value for key, value in vars(optimizer).items()
+                             if key not in ("step", "zero_grad")})
+    wrapped._setup(named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor, groups, sparse_as_dense)
+    return wrapped
+
+
+def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
+    all_params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"noname.{g}.{i}" for g, group in enumerate(param_groups)
+                for i, p in enumerate(group["params"])}
+    named = list(named_parameters)
+    if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
+        raise ValueError("named_parameters must be (name, parameter) pairs, as model.named_parameters() gives")
+    duplicates = sorted(name for name, count in Counter(name for name, _ in named).items() if count > 1)
+    if duplicates:
+        raise ValueError(f"named_parameters has duplicate names: {', '.join(duplicates)}; each name must "
+                         f"appear once")
+    names = {}
+    for name, p in named:
+        names.setdefault(p, name)
+    missing = [p for p in all_params if p not in names]
+    if missing:
+        shapes = ", ".join(str(tuple(p.shape)) for p in missing[:5])
+        raise ValueError(f"named_parameters was given but misses {len(missing)} of the optimizer's parameters "
+                         f"(shapes {shapes}); pass model.named_parameters() of the model the optimizer trains")
+    return names
+
+
+def _make_groups(groups, params: List[torch.Tensor]):
+    """(parameter -> group index, group index -> its parameters) for ``groups=``."""
+    if groups is None:
+        return {}, {}
+    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
+        raise ValueError(f"groups must be a positive integer or a list of lists of parameters, got {groups!r}")
+    if isinstance(groups, int):
+        if groups < 1:
+            raise ValueError(f"groups must be a positive integer, got {groups}")
+        count = min(groups, len(params))
+        lists = [params[i * len(params) // count:(i + 1) * len(params) // count] for i in range(count)]
+    else:
+        lists = [list(group) for group in groups]
+    group_of: Dict[torch.Tensor, int] = {}
+    members: Dict[int, List[torch.Tensor]] = {}
+    wanted = set(params)
+    for index, group in enumerate(lists):
+        for p in group:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"groups[{index}] holds a {type(p).__name__}; groups are lists of parameters")
+            if p in group_of:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} appears in more than one group")
+            if p in wanted:
+                group_of[p] = index
+                members.setdefault(index, []).append(p)
+    return group_of, members

@@ -1,0 +1,42 @@
+"""Allreduce of sparse COO tensors (e.g. the gradient of ``nn.Embedding(sparse=True)``).
+
+Every rank's indices and values are allgathered and form one sparse tensor holding all
+contributions; coalescing it (as the optimizer does) sums duplicate indices.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ringmaster.worker import collectives
+from ringmaster.worker.runtime import runtime
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None) -> int:
+    """Start reducing the sparse ``tensor`` over all ranks with ``Average`` (default) or ``Sum``.
+
+    Returns a handle; :func:`synchronize` gives the reduced tensor as an uncoalesced sparse
+    tensor of the same size.
+    """
+    op = collectives.Average if op is None else op
+    if op not in (collectives.Average, collectives.Sum):
+        raise ValueError("sparse_allreduce_async supports op=Average or op=Sum only")
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError(f"sparse_allreduce_async takes a sparse COO tensor, got "
+                        f"{tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__}; "
+                        f"use allreduce_async for dense tensors")
+    state = runtime()
+    base = collectives._auto_name("sparse_allreduce", name)
+    # Allgather concatenates along the first dimension, so indices travel transposed (nnz, ndim).
+    indices = collectives.allgather_async(tensor._indices().t().contiguous(), name=f"{base}.indices")
+    values = collectives.allgather_async(tensor._values().contiguous(), name=f"{base}.values")
+    size, shape, divide = state.size, tensor.shape, op == collectives.Average
+
+    def combine(all_indices, all_values):
+        if divide:
+            all_values = all_values / size if all_values.dtype.is_floating_point else all_values // size
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, shape, check_invariants=True)
+
+    return state.handles.new_derived(base, [indices, values], combine).id
