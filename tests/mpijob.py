@@ -92,8 +92,9 @@ def mpirun(np: int, script: str, timeout: float = 120, env=None, args: Sequence[
     return run_command(command, timeout, env=job_environment(env))
 
 
-def ringrun(np: int, script: str, timeout: float = 120, env=None, ringrun_args: Sequence[str] = ()) -> JobResult:
-    """Run the Python source ``script`` on ``np`` ranks under ``ringrun``."""
+def ringrun(np: int, script: str, timeout: float = 120, env=None, ringrun_args: Sequence[str] = (),
+            args: Sequence[str] = ()) -> JobResult:
+    """Run the Python source ``script`` (with ``args``) on ``np`` ranks under ``ringrun``."""
     command = [sys.executable, "-m", "ringmaster.launch", "-np", str(np), *ringrun_args,
-               sys.executable, "-c", textwrap.dedent(script)]
+               sys.executable, "-c", textwrap.dedent(script), *args]
     return run_command(command, timeout, env=job_environment(env))

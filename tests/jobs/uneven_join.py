@@ -1,0 +1,62 @@
+"""Ranks with different numbers of batches train with DistributedOptimizer, then join().
+
+Rank r has 2 + 2r batches. While some ranks have joined, the others' allreduces count the
+joined ranks as zeros; each rank checks its model against that rule computed with plain
+torch, then all ranks take the last-joined rank's model. Prints FAIL lines, then DONE.
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+import ringmaster as rm
+
+rm.init()
+RANK, SIZE = rm.rank(), rm.size()
+torch.set_num_threads(1)
+failures = 0
+
+
+def batches_of(rank):
+    generator = torch.Generator().manual_seed(rank)
+    return [(torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator))
+            for _ in range(2 + 2 * rank)]
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+reference = copy.deepcopy(model)
+optimizer = rm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=model.named_parameters())
+reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+data = [batches_of(rank) for rank in range(SIZE)]
+
+for x, y in data[RANK]:
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+last = rm.join()
+
+# Plain torch: at step s the ranks that still have a batch contribute; joined ranks add zeros.
+steps = 2 + 2 * (SIZE - 1)
+for step in range(steps if RANK == SIZE - 1 else len(data[RANK])):
+    reference_optimizer.zero_grad()
+    active = [rank for rank in range(SIZE) if step < len(data[rank])]
+    loss = sum(nn.functional.mse_loss(reference(data[r][step][0]), data[r][step][1]) for r in active) / SIZE
+    loss.backward()
+    reference_optimizer.step()
+worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+if worst > 1e-5:
+    failures += 1
+    print(f"FAIL rank {RANK}: model differs from the reference by {worst:.3g}", flush=True)
+if last != SIZE - 1:
+    failures += 1
+    print(f"FAIL rank {RANK}: join() returned {last}, expected {SIZE - 1} (the rank with most batches)")
+rm.broadcast_parameters(model.state_dict(), root_rank=last)
+flat = torch.cat([p.detach().flatten() for p in model.parameters()]).unsqueeze(0)
+if not all(torch.equal(flat[0], row) for row in rm.allgather(flat)):
+    failures += 1
+    print(f"FAIL rank {RANK}: models differ after broadcasting the last rank's", flush=True)
+print(f"DONE {failures} failures", flush=True)
+rm.shutdown()

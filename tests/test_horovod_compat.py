@@ -1,0 +1,46 @@
+"""Scripts written for horovod.torch run with the import line changed, and uneven data with join()."""
+
+import pathlib
+import re
+
+import pytest
+from mpijob import mpirun, ringrun
+
+JOBS = pathlib.Path(__file__).parent / "jobs"
+HOROVOD_IMPORT = "import horovod.torch as hvd"
+
+
+def horovod_script_with_ringmaster() -> str:
+    source = (JOBS / "horovod_script.py").read_text()
+    assert source.count(HOROVOD_IMPORT) == 1
+    return source.replace(HOROVOD_IMPORT, "import ringmaster as hvd")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 4])
+def test_a_horovod_script_runs_with_only_the_import_changed(np):
+    result = ringrun(np, horovod_script_with_ringmaster(), timeout=110, ringrun_args=["--oversubscribe"])
+    assert result.returncode == 0, result.output[-4000:]
+    accuracies = [float(a) for a in re.findall(r"accuracy ([0-9.]+)%", result.stdout)]
+    assert len(accuracies) == 3 and accuracies[-1] > 85.0, result.stdout
+    agreed = result.lines_starting("rank ")
+    assert len(agreed) == np and all(f"saw {np} ranks, weights identical: True" in line for line in agreed), \
+        result.output[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_the_horovod_script_with_fp16_allreduce():
+    result = ringrun(2, horovod_script_with_ringmaster(), timeout=110, args=["--fp16-allreduce"])
+    assert result.returncode == 0, result.output[-4000:]
+    accuracies = [float(a) for a in re.findall(r"accuracy ([0-9.]+)%", result.stdout)]
+    assert len(accuracies) == 3 and accuracies[-1] > 85.0, result.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_uneven_data_with_join_finishes_and_matches_the_reference(np):
+    result = mpirun(np, (JOBS / "uneven_join.py").read_text(), timeout=110)
+    failures = [line for line in result.output.splitlines() if line.startswith("FAIL")]
+    assert not failures, "\n".join(failures)
+    assert result.stdout.count("DONE 0 failures") == np, result.output[-3000:]
+    assert result.returncode == 0
