@@ -2,16 +2,16 @@
 import torch
 import ringmaster as rm
 
-rm.init()                                                        # 1. join the job
+rm.init()                                                            # 1. join the job
 model = torch.nn.Linear(10, 1)
-for p in model.parameters():                                     # 2. start from rank 0's weights
-    rm.broadcast_(p.data, root_rank=0)
-opt = torch.optim.SGD(model.parameters(), lr=0.01 * rm.size())   # 3. scale the learning rate
+opt = torch.optim.SGD(model.parameters(), lr=0.01 * rm.size())       # 2. scale the learning rate
+opt = rm.DistributedOptimizer(opt, model.named_parameters())         # 3. average gradients
+rm.broadcast_parameters(model.state_dict(), root_rank=0)             # 4. start from rank 0's
+rm.broadcast_optimizer_state(opt, root_rank=0)                       #    weights and state
 data = torch.randn(1024, 10, generator=torch.Generator().manual_seed(0))
-for x in data[rm.rank()::rm.size()].split(32):                   # 4. each rank its own shard
+for x in data[rm.rank()::rm.size()].split(32):                       # 5. each rank its own shard
     loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
     opt.zero_grad()
     loss.backward()
-    rm.grouped_allreduce_([p.grad for p in model.parameters()])  # 5. average the gradients
     opt.step()
 print(rm.rank(), "final loss", rm.allreduce(loss.detach()).item())
