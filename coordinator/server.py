@@ -20,7 +20,7 @@ import grpc
 
 from ringmaster.common.config import Config
 from ringmaster.coordinator.auth import TokenInterceptor
-from ringmaster.coordinator.negotiation import Negotiator
+from ringmaster.coordinator.negotiation import Negotiator, Stall, describe_set
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
 
@@ -315,20 +315,26 @@ class Coordinator:
                                 session.rank, session.hostname)
                 return
         for stall in self._negotiator.stalls(self.config.stall_warning_s):
-            log.warning("stall: tensor '%s' has waited %.0f s: ranks %s are ready, ranks %s (%s) have not "
+            log.warning("stall: tensor '%s'%s has waited %.0f s: ranks %s are ready, ranks %s (%s) have not "
                         "submitted it. One rank may be running a different code path, or be stuck or slow.",
-                        stall.name, stall.seconds, stall.waiting_ranks, stall.missing_ranks,
+                        stall.name, _in_set(stall), stall.seconds, stall.waiting_ranks, stall.missing_ranks,
                         ", ".join(self._host_of(r) for r in stall.missing_ranks))
         if self.config.stall_shutdown_s > 0:
             for stall in self._negotiator.stalls(self.config.stall_shutdown_s, only_new=False):
-                self._abort_job(pb.STALLED, f"tensor '{stall.name}' stalled for {stall.seconds:.0f} s "
-                                f"(RINGMASTER_STALL_SHUTDOWN_S={self.config.stall_shutdown_s:g}): ranks "
-                                f"{stall.missing_ranks} never submitted it", -1)
+                self._abort_job(pb.STALLED, f"tensor '{stall.name}'{_in_set(stall)} stalled for "
+                                f"{stall.seconds:.0f} s (RINGMASTER_STALL_SHUTDOWN_S="
+                                f"{self.config.stall_shutdown_s:g}): ranks {stall.missing_ranks} never "
+                                f"submitted it", -1)
                 return
 
     def _host_of(self, rank: int) -> str:
         session = self._sessions.get(rank)
         return f"rank {rank} on {session.hostname}" if session else f"rank {rank}"
+
+
+def _in_set(stall: Stall) -> str:
+    """' in process set N (ranks [...])' for a stall outside the global set, else ''."""
+    return f" in {describe_set(stall.process_set_id, stall.set_ranks)}" if stall.process_set_id else ""
 
 
 def _join_host_port(host: str, port: int) -> str:

@@ -3,6 +3,9 @@
 Each ``*_async`` call validates its input on the caller's thread, puts an entry in the
 tensor table, declares it to the coordinator and returns a handle; ``synchronize``
 waits for it. The background thread does the communication.
+
+Every collective takes ``process_set=`` (default: every rank): only the set's members
+call it, and it runs among them (see :mod:`ringmaster.worker.process_sets`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.executor import Entry
+from ringmaster.worker.process_sets import ProcessSet, global_process_set, member_set
 from ringmaster.worker.runtime import runtime
 from ringmaster.worker.tensors import REDUCIBLE_DTYPES, device_name, dtype_name
 
@@ -33,13 +37,15 @@ _name_counters = defaultdict(itertools.count)
 _name_lock = threading.Lock()
 
 
-def _auto_name(kind: str, name: Optional[str]) -> str:
+def _auto_name(kind: str, name: Optional[str], process_set_id: int = 0) -> str:
+    """``name``, or the next ``kind.noname.N``; N counts per process set, so that ranks
+    agree on the names of a set's unnamed collectives whatever other sets they are in."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name= must be a non-empty string, got {name!r}")
         return name
     with _name_lock:
-        return f"{kind}.noname.{next(_name_counters[kind])}"
+        return f"{kind}.noname.{next(_name_counters[kind if not process_set_id else (kind, process_set_id)])}"
 
 
 def _check_tensor(tensor, what: str) -> torch.Tensor:
@@ -82,9 +88,11 @@ def _check_reduction(tensor: torch.Tensor, op: int, prescale: float, postscale: 
                         f"got {tensor.dtype}")
 
 
-def _request(name: str, op_type: int, tensor: torch.Tensor, **fields) -> pb.TensorRequest:
+def _request(name: str, op_type: int, tensor: torch.Tensor, process_set_id: int = 0, **fields) -> pb.TensorRequest:
     fields.setdefault("prescale_factor", 1.0)
     fields.setdefault("postscale_factor", 1.0)
+    if process_set_id:
+        fields["process_set_id"] = process_set_id
     return pb.TensorRequest(name=name, op_type=op_type, dtype=dtype_name(tensor, name),
                             shape=tensor.shape, device=device_name(tensor), **fields)
 
@@ -115,9 +123,11 @@ def _submit_or_release(state, handle, entries, requests, flush: bool) -> None:
 
 # ----------------------------------------------------------------- allreduce
 def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, prescale_factor,
-                       postscale_factor, in_place: bool, what: str, single: bool, flush: bool = False) -> int:
+                       postscale_factor, in_place: bool, what: str, single: bool, flush: bool = False,
+                       process_set: ProcessSet = global_process_set) -> int:
     op = _resolve_op(average, op, what)
     state = runtime()
+    set_id = member_set(process_set, what).process_set_id
     if not single and not tensors:
         raise ValueError(f"{what} needs at least one tensor")
     prepared = []  # validate everything before anything is registered
@@ -130,15 +140,15 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
             _check_writable(data, what)
             output, copy_back = source, (None if source is data else data)
         prepared.append((tensor, source, output, copy_back))
-    base = _auto_name(what.rstrip("_").replace("_async", ""), name)
+    base = _auto_name(what.rstrip("_").replace("_async", ""), name, set_id)
     handle = state.handles.new(base, parts=len(tensors), as_list=not single)
     group = "" if single else base
     entries, requests = [], []
     for index, (tensor, source, output, copy_back) in enumerate(prepared):
         entry_name = base if single else f"{base}.{index}"
         entries.append(Entry(entry_name, pb.ALLREDUCE, source, handle, part=index, output=output,
-                             copy_back=copy_back, returns=tensor if in_place else None))
-        requests.append(_request(entry_name, pb.ALLREDUCE, source, reduce_op=op,
+                             copy_back=copy_back, returns=tensor if in_place else None, process_set_id=set_id))
+        requests.append(_request(entry_name, pb.ALLREDUCE, source, set_id, reduce_op=op,
                                  prescale_factor=float(prescale_factor),
                                  postscale_factor=float(postscale_factor),
                                  group=group, group_size=0 if single else len(tensors)))
@@ -146,154 +156,183 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
     return handle.id
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set):
     """Start an allreduce of ``tensor`` over all ranks; returns a handle for :func:`synchronize`.
 
     ``op`` is ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``; the input is
     multiplied by ``prescale_factor`` before and the result by ``postscale_factor`` after.
+    With ``process_set``, only its members call it and reduce together; ``Average``
+    divides by the set's size.
     """
     return _grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
-                              False, "allreduce_async", single=True)
+                              False, "allreduce_async", single=True, process_set=process_set)
 
 
-def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              process_set=global_process_set):
     """Allreduce ``tensor`` over all ranks and return the result as a new tensor."""
     return synchronize(_grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
-                                          False, "allreduce", single=True, flush=True))
+                                          False, "allreduce", single=True, flush=True, process_set=process_set))
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set):
     """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
     return _grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
-                              True, "allreduce_async_", single=True)
+                              True, "allreduce_async_", single=True, process_set=process_set)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
     """In-place :func:`allreduce`; returns ``tensor``."""
     return synchronize(_grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
-                                          True, "allreduce_", single=True, flush=True))
+                                          True, "allreduce_", single=True, flush=True, process_set=process_set))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0):
+                            postscale_factor=1.0, process_set=global_process_set):
     """Allreduce a list of tensors as one group (negotiated and fused together); one handle."""
     return _grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                              False, "grouped_allreduce_async", single=False)
+                              False, "grouped_allreduce_async", single=False, process_set=process_set)
 
 
-def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=global_process_set):
     """Allreduce a list of tensors as one group; returns the list of results."""
     return synchronize(_grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                                          False, "grouped_allreduce", single=False, flush=True))
+                                          False, "grouped_allreduce", single=False, flush=True,
+                                          process_set=process_set))
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0):
+                             postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`grouped_allreduce_async`."""
     return _grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                              True, "grouped_allreduce_async_", single=False)
+                              True, "grouped_allreduce_async_", single=False, process_set=process_set)
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set):
     """In-place :func:`grouped_allreduce`; returns the list of tensors."""
     return synchronize(_grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                                          True, "grouped_allreduce_", single=False, flush=True))
+                                          True, "grouped_allreduce_", single=False, flush=True,
+                                          process_set=process_set))
 
 
 # ----------------------------------------------------- data-moving collectives
 def _submit_single(kind: str, op_type: int, tensor, name, output=None, copy_back=None, finish=None,
-                   flush: bool = False, returns=None, **fields) -> int:
+                   flush: bool = False, returns=None, process_set: ProcessSet = global_process_set,
+                   **fields) -> int:
     state = runtime()
+    set_id = member_set(process_set, kind).process_set_id
     data = _check_tensor(tensor, kind)
-    name = _auto_name(kind, name)
+    name = _auto_name(kind, name, set_id)
     source = data if data.is_contiguous() else data.contiguous()
     handle = state.handles.new(name, finish=finish)
-    entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back, returns=returns)
-    _submit_or_release(state, handle, [entry], [_request(name, op_type, source, **fields)], flush)
+    entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back, returns=returns,
+                  process_set_id=set_id)
+    _submit_or_release(state, handle, [entry], [_request(name, op_type, source, set_id, **fields)], flush)
     return handle.id
 
 
-def allgather_async(tensor, name=None):
+def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start gathering ``tensor`` from all ranks, concatenated along the first dimension.
 
-    First dimensions may differ between ranks; the other dimensions must agree.
+    First dimensions may differ between ranks; the other dimensions must agree. With
+    ``process_set``, the members' tensors are concatenated in the order of the set's ranks.
     """
     if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
         tensor = tensor.reshape(1)
-    return _submit_single("allgather", pb.ALLGATHER, tensor, name)
+    return _submit_single("allgather", pb.ALLGATHER, tensor, name, process_set=process_set)
 
 
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, process_set=global_process_set):
     """Gather ``tensor`` from all ranks, concatenated along the first dimension."""
-    return synchronize(allgather_async(tensor, name))
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
-def _check_root(root_rank, what: str) -> int:
-    size = runtime().size
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise ValueError(f"{what}: root_rank={root_rank!r} is not a rank of this job (0..{size - 1})")
+def _check_root(root_rank, what: str, process_set: ProcessSet = global_process_set) -> int:
+    if process_set is global_process_set:
+        size = runtime().size
+        if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+            raise ValueError(f"{what}: root_rank={root_rank!r} is not a rank of this job (0..{size - 1})")
+    elif not isinstance(root_rank, int) or root_rank not in process_set.ranks:
+        raise ValueError(f"{what}: root_rank={root_rank!r} is not a member of process set "
+                         f"{process_set.process_set_id} (ranks {process_set.ranks}); root_rank is a global "
+                         f"rank, as ringmaster.rank() numbers it, and must be one of the set's ranks")
     return root_rank
 
 
-def broadcast_async(tensor, root_rank, name=None):
-    """Start broadcasting ``tensor`` from ``root_rank``; the result is a new tensor."""
-    _check_root(root_rank, "broadcast")
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start broadcasting ``tensor`` from ``root_rank``; the result is a new tensor.
+
+    ``root_rank`` is a global rank (as :func:`rank` returns it), also with ``process_set``,
+    where it must be one of the set's ranks (Horovod's convention).
+    """
+    _check_root(root_rank, "broadcast", member_set(process_set, "broadcast"))
     output = torch.empty_like(_check_tensor(tensor, "broadcast"), memory_format=torch.contiguous_format)
-    return _submit_single("broadcast", pb.BROADCAST, tensor, name, output=output, root_rank=root_rank)
+    return _submit_single("broadcast", pb.BROADCAST, tensor, name, output=output, root_rank=root_rank,
+                          process_set=process_set)
 
 
-def broadcast(tensor, root_rank, name=None):
-    """Return ``root_rank``'s ``tensor`` on every rank."""
-    return synchronize(broadcast_async(tensor, root_rank, name))
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Return ``root_rank``'s ``tensor`` on every rank (``root_rank`` is global, see :func:`broadcast_async`)."""
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_async_(tensor, root_rank, name=None):
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """In-place :func:`broadcast_async`: ``tensor`` is overwritten with the root's."""
-    _check_root(root_rank, "broadcast_")
+    _check_root(root_rank, "broadcast_", member_set(process_set, "broadcast_"))
     data = _check_tensor(tensor, "broadcast_")
     _check_writable(data, "broadcast_")
     output, copy_back = _in_place_output(data)
     return _submit_single("broadcast", pb.BROADCAST, data, name, output=output, copy_back=copy_back,
-                          returns=tensor, root_rank=root_rank)
+                          returns=tensor, root_rank=root_rank, process_set=process_set)
 
 
-def broadcast_(tensor, root_rank, name=None):
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """In-place :func:`broadcast`; returns ``tensor``."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def alltoall_async(tensor, splits=None, name=None):
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Start an all-to-all: rows ``splits[i]`` of ``tensor`` go to rank ``i``.
 
     Without ``splits`` the first dimension is split evenly (it must divide by the job size).
+    With ``process_set``, ``splits[i]`` is for the set's ``i``-th rank and the set's size counts.
     """
-    state = runtime()
+    size = len(member_set(process_set, "alltoall").ranks)
     _check_tensor(tensor, "alltoall")
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
+    among = f"{size} ranks" if process_set is global_process_set else f"the {size} ranks of the process set"
     if splits is None:
-        if tensor.shape[0] % state.size:
+        if tensor.shape[0] % size:
             raise ValueError(f"alltoall: the first dimension ({tensor.shape[0]}) does not divide evenly "
-                             f"among {state.size} ranks; pass splits=")
-        split_list = [tensor.shape[0] // state.size] * state.size
+                             f"among {among}; pass splits=")
+        split_list = [tensor.shape[0] // size] * size
     else:
         split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(split_list) != state.size or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
+        if len(split_list) != size or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
             raise ValueError(f"alltoall: splits={split_list} must have one non-negative entry per rank "
-                             f"({state.size}) summing to the first dimension ({tensor.shape[0]})")
+                             f"({among}) summing to the first dimension ({tensor.shape[0]})")
     output_only = (lambda result: result[0]) if splits is None else None
-    return _submit_single("alltoall", pb.ALLTOALL, tensor, name, finish=output_only, splits=split_list)
+    return _submit_single("alltoall", pb.ALLTOALL, tensor, name, finish=output_only, splits=split_list,
+                          process_set=process_set)
 
 
-def alltoall(tensor, splits=None, name=None):
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """All-to-all; returns the received tensor, and the received splits when ``splits`` was given."""
-    return synchronize(alltoall_async(tensor, splits, name))
+    return synchronize(alltoall_async(tensor, splits, name, process_set))
 
 
-def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                        process_set=global_process_set):
     """Start a reduce-scatter: reduce over ranks, rank ``r`` keeps the ``r``-th block of rows.
 
-    Rows are split as evenly as possible; the first ranks take one extra row.
+    Rows are split as evenly as possible; the first ranks take one extra row. With
+    ``process_set``, the blocks go to the set's ranks in order (block ``process_set.rank()``).
     """
     op = _resolve_op(None, op, "reducescatter")
     _check_tensor(tensor, "reducescatter")
@@ -301,22 +340,26 @@ def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0, post
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     return _submit_single("reducescatter", pb.REDUCESCATTER, tensor, name, reduce_op=op,
-                          prescale_factor=float(prescale_factor), postscale_factor=float(postscale_factor))
+                          prescale_factor=float(prescale_factor), postscale_factor=float(postscale_factor),
+                          process_set=process_set)
 
 
-def reducescatter(tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter(tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                  process_set=global_process_set):
     """Reduce-scatter ``tensor``; returns this rank's block of the reduced rows."""
-    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set))
 
 
 # ------------------------------------------------------------------- control
-def barrier() -> None:
-    """Wait until every rank has called barrier()."""
+def barrier(process_set=global_process_set) -> None:
+    """Wait until every rank (every member of ``process_set``) has called barrier()."""
     state = runtime()
-    name = _auto_name("barrier", None)
+    set_id = member_set(process_set, "barrier").process_set_id
+    name = _auto_name("barrier", None, set_id)
     handle = state.handles.new(name)
     empty = torch.empty(0)
-    state.submit([Entry(name, pb.BARRIER, empty, handle)], [_request(name, pb.BARRIER, empty)], flush=True)
+    state.submit([Entry(name, pb.BARRIER, empty, handle, process_set_id=set_id)],
+                 [_request(name, pb.BARRIER, empty, set_id)], flush=True)
     synchronize(handle.id)
 
 
@@ -325,6 +368,8 @@ def join(device=-1) -> int:
 
     While joined, this rank contributes the identity (zeros for sums) to allreduces and no rows
     to allgathers of the ranks still training. Returns the rank that joined last.
+    join() concerns the global set only (as in Horovod): a joined rank does not stand in for
+    collectives of other process sets, which still wait for every member.
     """
     state = runtime()
     handle = state.handles.new("join")

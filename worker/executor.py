@@ -4,6 +4,11 @@ This thread is the only one that calls collectives on the job's communicator
 (invariant 1). It takes each named tensor out of the tensor table, packs allreduces of
 several tensors into a reused fusion buffer, runs the collective from ``ringmaster.ops``,
 scales, copies results out, and completes the handles.
+
+Process sets: each response names the set that runs it. This thread splits a set's
+communicator from the job's when the coordinator's PROCESS_SET_ADD response comes up in
+the order (every rank runs it), runs the set's collectives on it with the set's rank and
+size, and skips responses of sets this rank is not in.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 import math
 import queue
 import threading
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -43,28 +48,41 @@ class Entry:
     output: Optional[torch.Tensor] = None    # where the result goes; None: a new tensor (out of place)
     copy_back: Optional[torch.Tensor] = None  # non-contiguous in-place target
     returns: Optional[torch.Tensor] = None    # in place: the caller's own tensor, handed back
+    process_set_id: int = 0                  # the set that runs it (0: every rank)
 
 
 class TensorTable:
-    """Tensors submitted by the user's threads, by name, until the background thread runs them."""
+    """Tensors submitted by the user's threads, by (process set, name), until the background thread runs them."""
 
     def __init__(self):
-        self._entries: Dict[str, Entry] = {}
+        self._entries: Dict[tuple, Entry] = {}
         self._lock = threading.Lock()
 
     def add(self, entry: Entry) -> None:
+        key = (entry.process_set_id, entry.name)
         with self._lock:
-            if entry.name in self._entries:
-                raise ValueError(f"a collective named '{entry.name}' is already in flight on this rank; "
+            if key in self._entries:
+                where = f" in process set {entry.process_set_id}" if entry.process_set_id else ""
+                raise ValueError(f"a collective named '{entry.name}'{where} is already in flight on this rank; "
                                  f"synchronize it first or pass a different name=")
-            self._entries[entry.name] = entry
+            self._entries[key] = entry
 
-    def take(self, name: str) -> Optional[Entry]:
+    def take(self, process_set_id: int, name: str) -> Optional[Entry]:
         with self._lock:
-            return self._entries.pop(name, None)
+            return self._entries.pop((process_set_id, name), None)
 
-    def drop(self, name: str) -> None:
-        self.take(name)
+    def drop(self, process_set_id: int, name: str) -> None:
+        self.take(process_set_id, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class SetComm:
+    """A process set as this rank's background thread runs it: its communicator and members."""
+
+    comm: object                 # mpi4py communicator of the members
+    rank: int                    # this rank's position in the set
+    size: int
+    ranks: Sequence[int]         # global ranks, sorted (position i holds global rank ranks[i])
 
 
 class Executor:
@@ -83,6 +101,8 @@ class Executor:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # The sets this rank is a member of, by id; 0 is every rank on the job's communicator.
+        self._sets: Dict[int, SetComm] = {0: SetComm(comm, self.rank, self.size, range(self.size))}
         self.table = table
         self.algorithm = allreduce_algorithm
         self._on_join = on_join
@@ -95,6 +115,7 @@ class Executor:
             pb.ALLREDUCE: self._allreduce, pb.ALLGATHER: self._allgather, pb.BROADCAST: self._broadcast,
             pb.ALLTOALL: self._alltoall, pb.REDUCESCATTER: self._reducescatter,
             pb.BARRIER: self._barrier, pb.JOIN: self._join,
+            pb.PROCESS_SET_ADD: self._add_process_set, pb.PROCESS_SET_REMOVE: self._remove_process_set,
         }
 
     def start(self) -> None:
@@ -109,6 +130,11 @@ class Executor:
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+    def free_process_sets(self) -> None:
+        """Free the process sets' communicators (after :meth:`stop` returned True)."""
+        for set_id in [i for i in self._sets if i != 0]:
+            self._sets.pop(set_id).comm.Free()
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
@@ -128,9 +154,9 @@ class Executor:
                 except Exception as error:  # noqa: BLE001 - every failure must reach the handles
                     failure = RingmasterError(
                         f"rank {self.rank}: {pb.OpType.Name(response.op_type).lower()} of "
-                        f"{list(response.names)} failed: {type(error).__name__}: {error}")
+                        f"{list(response.names)}{_in_set(response)} failed: {type(error).__name__}: {error}")
                     log.exception("collective failed")
-                    self._fail(response.names, failure)
+                    self._fail(response, failure)
                     self._on_fatal(failure)
                     return
 
@@ -138,15 +164,21 @@ class Executor:
         if response.error_kind != pb.NO_ERROR:
             error_type = {pb.MISMATCH: TensorMismatchError, pb.RANK_FAILED: RankFailedError}.get(
                 response.error_kind, RingmasterError)
-            self._fail(response.names, error_type(f"{response.error_message} (reported on rank {self.rank})"))
+            self._fail(response, error_type(f"{response.error_message} (reported on rank {self.rank})"))
             return
-        self._run_response[response.op_type](response)
+        group = self._sets.get(response.process_set_id)
+        if group is None:
+            return  # a set this rank is not a member of
+        self._run_response[response.op_type](response, group)
 
-    def _fail(self, names, error: BaseException) -> None:
-        for name in names:
-            entry = self.table.take(name)
+    def _fail(self, response: pb.Response, error: BaseException) -> None:
+        for name in response.names:
+            entry = self.table.take(response.process_set_id, name)
             if entry is not None:
                 entry.handle.set_error(error)
+
+    def _take(self, response: pb.Response, name: str) -> Optional[Entry]:
+        return self.table.take(response.process_set_id, name)
 
     @staticmethod
     def _complete(entry: Entry, result) -> None:
@@ -155,9 +187,9 @@ class Executor:
         entry.handle.set_result(result if entry.returns is None else entry.returns, entry.part)
 
     # ------------------------------------------------------------- allreduce
-    def _allreduce(self, response: pb.Response) -> None:
+    def _allreduce(self, response: pb.Response, group: SetComm) -> None:
         dtype = SUPPORTED_DTYPES[response.dtype]
-        entries = [self.table.take(name) for name in response.names]
+        entries = [self._take(response, name) for name in response.names]
         shapes = [tuple(shape.dims) for shape in response.shapes]
         wire_dtype = reduction_dtype(dtype)
         if len(entries) == 1 and entries[0] is not None and wire_dtype == dtype:
@@ -169,7 +201,7 @@ class Executor:
                     source = entry.tensor.reshape(-1)  # reduce straight from the input: no copy
                 else:
                     output.copy_(entry.tensor)
-            self._reduce_in_place(output.reshape(-1), response, source)
+            self._reduce_in_place(output.reshape(-1), response, group, source)
             self._complete(entry, output)
             return
         sizes = [math.prod(shape) for shape in shapes]
@@ -178,7 +210,7 @@ class Executor:
             # All out of place: reduce in a fresh buffer and hand out views of it. It is never
             # reused, so results alias nothing; and there is nothing to copy out.
             result = torch.cat([entry.tensor.reshape(-1) for entry in entries])
-            self._reduce_in_place(result, response)
+            self._reduce_in_place(result, response, group)
             for entry, part, shape in zip(entries, result.split(sizes), shapes):
                 self._complete(entry, part.view(shape))
             return
@@ -191,7 +223,7 @@ class Executor:
                     part.fill_(_identity(response.reduce_op, wire_dtype))
                 else:
                     part.copy_(entry.tensor.reshape(-1))
-        self._reduce_in_place(buffer, response)
+        self._reduce_in_place(buffer, response, group)
         done = []
         for entry, part, shape in zip(entries, buffer.split(sizes), shapes):
             if entry is None:
@@ -205,21 +237,23 @@ class Executor:
         for entry, result in done:
             self._complete(entry, result)
 
-    def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response,
+    def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response, group: SetComm,
                          source: Optional[torch.Tensor] = None) -> None:
         """Allreduce into the 1-D contiguous ``flat`` (from ``source`` if given), with Horovod's scaling."""
         if response.prescale_factor != 1.0:
             flat.mul_(response.prescale_factor)
-        ops.allreduce(self.comm, flat_array(flat), OPS_REDUCTION[response.reduce_op], self.algorithm,
+        ops.allreduce(group.comm, flat_array(flat), OPS_REDUCTION[response.reduce_op], self.algorithm,
                       source=None if source is None else flat_array(source))
-        self._postscale(flat, response)
+        self._postscale(flat, response, group.size)
 
-    def _postscale(self, flat: torch.Tensor, response: pb.Response) -> None:
+    @staticmethod
+    def _postscale(flat: torch.Tensor, response: pb.Response, size: int) -> None:
+        """Average divides by the number of ranks that reduced (the set's size)."""
         if response.reduce_op == pb.AVERAGE:
             if flat.dtype.is_floating_point:
-                flat.mul_(response.postscale_factor / self.size)
+                flat.mul_(response.postscale_factor / size)
             else:
-                flat.floor_divide_(self.size)
+                flat.floor_divide_(size)
         elif response.postscale_factor != 1.0:
             flat.mul_(response.postscale_factor)
 
@@ -231,64 +265,93 @@ class Executor:
         return buffer[:count]
 
     # --------------------------------------------------------- data movement
-    def _allgather(self, response: pb.Response) -> None:
+    def _allgather(self, response: pb.Response, group: SetComm) -> None:
         name = response.names[0]
-        entry = self.table.take(name)
+        entry = self._take(response, name)
         dtype = SUPPORTED_DTYPES[response.dtype]
         row_shape = tuple(response.shapes[0].dims[1:])
         first_dims = list(response.first_dims)
         row_bytes = math.prod(row_shape) * dtype.itemsize
         output = torch.empty((sum(first_dims), *row_shape), dtype=dtype)
         send = byte_array(entry.tensor) if entry is not None else np.empty(0, dtype=np.uint8)
-        received = ops.allgatherv(self.comm, send, [d * row_bytes for d in first_dims])
+        received = ops.allgatherv(group.comm, send, [d * row_bytes for d in first_dims])
         byte_array(output)[:] = received
         if entry is not None:
             self._complete(entry, output)
 
-    def _broadcast(self, response: pb.Response) -> None:
-        entry = self.table.take(response.names[0])
-        if entry.output is not entry.tensor and self.rank == response.root_rank:
+    def _broadcast(self, response: pb.Response, group: SetComm) -> None:
+        entry = self._take(response, response.names[0])
+        root = group.ranks.index(response.root_rank)  # root_rank is global; the set's communicator counts from 0
+        if entry.output is not entry.tensor and group.rank == root:
             entry.output.copy_(entry.tensor)
-        ops.broadcast(self.comm, byte_array(entry.output), response.root_rank)
+        ops.broadcast(group.comm, byte_array(entry.output), root)
         self._complete(entry, entry.output)
 
-    def _alltoall(self, response: pb.Response) -> None:
-        entry = self.table.take(response.names[0])
+    def _alltoall(self, response: pb.Response, group: SetComm) -> None:
+        entry = self._take(response, response.names[0])
         dtype = entry.tensor.dtype
         row_shape = tuple(entry.tensor.shape[1:])
         row_bytes = math.prod(row_shape) * dtype.itemsize
-        splits = np.asarray(response.splits, dtype=np.int64).reshape(self.size, self.size)
-        send_rows, receive_rows = splits[self.rank], splits[:, self.rank]
+        splits = np.asarray(response.splits, dtype=np.int64).reshape(group.size, group.size)
+        send_rows, receive_rows = splits[group.rank], splits[:, group.rank]
         output = torch.empty((int(receive_rows.sum()), *row_shape), dtype=dtype)
-        received = ops.alltoallv(self.comm, byte_array(entry.tensor),
+        received = ops.alltoallv(group.comm, byte_array(entry.tensor),
                                  (send_rows * row_bytes).tolist(), (receive_rows * row_bytes).tolist())
         byte_array(output)[:] = received
         self._complete(entry, (output, torch.from_numpy(receive_rows.astype(np.int32))))
 
-    def _reducescatter(self, response: pb.Response) -> None:
-        entry = self.table.take(response.names[0])
+    def _reducescatter(self, response: pb.Response, group: SetComm) -> None:
+        entry = self._take(response, response.names[0])
         tensor = entry.tensor
         wire_dtype = reduction_dtype(tensor.dtype)
-        rows = reducescatter_rows(tensor.shape[0], self.size)
+        rows = reducescatter_rows(tensor.shape[0], group.size)
         row_count = math.prod(tensor.shape[1:])
         work = tensor.to(wire_dtype).reshape(-1).clone()
         if response.prescale_factor != 1.0:
             work.mul_(response.prescale_factor)
-        part = ops.reducescatter(self.comm, flat_array(work), OPS_REDUCTION[response.reduce_op],
+        part = ops.reducescatter(group.comm, flat_array(work), OPS_REDUCTION[response.reduce_op],
                                  [r * row_count for r in rows])
         result = torch.from_numpy(np.ascontiguousarray(part)).clone()
-        self._postscale(result, response)
-        self._complete(entry, result.reshape(rows[self.rank], *tensor.shape[1:]).to(tensor.dtype))
+        self._postscale(result, response, group.size)
+        self._complete(entry, result.reshape(rows[group.rank], *tensor.shape[1:]).to(tensor.dtype))
 
     # ------------------------------------------------------------- control
-    def _barrier(self, response: pb.Response) -> None:
-        # The coordinator answers only once every rank has arrived: that is the barrier.
-        entry = self.table.take(response.names[0])
+    def _barrier(self, response: pb.Response, group: SetComm) -> None:
+        # The coordinator answers only once every member has arrived: that is the barrier.
+        entry = self._take(response, response.names[0])
         if entry is not None:
             self._complete(entry, None)
 
-    def _join(self, response: pb.Response) -> None:
+    def _join(self, response: pb.Response, group: SetComm) -> None:
         self._on_join(response.last_joined_rank)
+
+    # -------------------------------------------------------- process sets
+    def _add_process_set(self, response: pb.Response, group: SetComm) -> None:
+        """Split the new set's communicator from the job's: every rank runs this, in the same order."""
+        from mpi4py import MPI
+
+        spec = response.set_change
+        ranks = list(spec.ranks)
+        member = self.rank in ranks
+        comm = self.comm.Split(0 if member else MPI.UNDEFINED, key=self.rank)
+        if member:
+            self._sets[spec.id] = SetComm(comm, comm.Get_rank(), comm.Get_size(), ranks)
+        entry = self._take(response, response.names[0])
+        if entry is not None:
+            self._complete(entry, spec.id)
+
+    def _remove_process_set(self, response: pb.Response, group: SetComm) -> None:
+        """Free the set's communicator; the coordinator sends nothing for the set after this."""
+        removed = self._sets.pop(response.set_change.id, None)
+        if removed is not None:
+            removed.comm.Free()
+        entry = self._take(response, response.names[0])
+        if entry is not None:
+            self._complete(entry, True)
+
+
+def _in_set(response: pb.Response) -> str:
+    return f" in process set {response.process_set_id}" if response.process_set_id else ""
 
 
 def reducescatter_rows(first_dim: int, size: int) -> List[int]:

@@ -37,6 +37,11 @@ class Runtime:
         self.fatal_error: Optional[RingmasterError] = None
         self._join_lock = threading.Lock()
         self._join_handle = None
+        from ringmaster.worker.process_sets import global_process_set  # it imports this module
+
+        global_process_set.ranks = list(range(self.size))
+        # Registered process sets by id (add_process_set / remove_process_set keep it).
+        self.process_sets = {0: global_process_set}
         self.endpoint: CoordinatorEndpoint = find_coordinator(comm, config)
         self.executor = Executor(comm, self.table, config.allreduce_algorithm,
                                  on_join=self._joined, on_fatal=self.fail)
@@ -64,10 +69,10 @@ class Runtime:
         try:
             for entry in entries:
                 self.table.add(entry)
-                added.append(entry.name)
+                added.append(entry)
         except ValueError:
-            for name in added:
-                self.table.drop(name)
+            for entry in added:
+                self.table.drop(entry.process_set_id, entry.name)
             raise
         self.outbox.add(requests, flush)
 
@@ -99,6 +104,7 @@ class Runtime:
 
     # ------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
+        self._forget_process_sets()
         if self.fatal_error is not None:
             return
         self.client.close()
@@ -106,7 +112,15 @@ class Runtime:
         self.endpoint.stop()
         self.handles.fail_all(NotInitializedError("ringmaster was shut down before this operation finished"))
         if stopped:
+            self.executor.free_process_sets()
             self.comm.Free()
+
+    def _forget_process_sets(self) -> None:
+        """Registered sets end with this runtime: their ids mean nothing to the next init()."""
+        for set_id, process_set in list(self.process_sets.items()):
+            if set_id != 0:
+                process_set._invalidate()
+        self.process_sets = {0: self.process_sets[0]}
 
 
 def _topology(comm):
