@@ -18,6 +18,7 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "barrier", "join", "poll", "synchronize", "sparse_allreduce_async",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "DistributedOptimizer", "Compression", "Compressor",

@@ -92,3 +92,13 @@ def test_many_mixed_async_collectives_in_flight(np, fusion):
     assert not failures, "\n".join(failures[:20])
     assert result.lines_starting("DONE") == ["200 operations, 0 failures"] * np, result.output[-3000:]
     assert result.returncode == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+def test_grouped_allgather_and_reducescatter_match_the_reference(np):
+    result = mpirun(np, (pathlib.Path(__file__).parent / "jobs" / "grouped_data.py").read_text(), timeout=110)
+    failures = [line for line in result.output.splitlines() if line.startswith("FAIL")]
+    assert not failures, "\n".join(failures[:20])
+    assert result.stdout.count(" 0 failures") == np, result.output[-3000:]
+    assert result.returncode == 0

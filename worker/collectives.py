@@ -350,6 +350,66 @@ def reducescatter(tensor, name=None, op=Average, prescale_factor=1.0, postscale_
     return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set))
 
 
+def _submit_grouped(kind: str, op_type: int, tensors, name, process_set: ProcessSet, check=None,
+                    **fields) -> int:
+    """Submit one ``op_type`` per tensor, negotiated as one group; one handle, a list result."""
+    state = runtime()
+    set_id = member_set(process_set, kind).process_set_id
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{kind} needs at least one tensor")
+    sources = []
+    for tensor in tensors:  # validate everything before anything is registered
+        data = _check_tensor(tensor, kind)
+        if check is not None:
+            check(data)
+        sources.append(data if data.is_contiguous() else data.contiguous())
+    base = _auto_name(kind, name, set_id)
+    handle = state.handles.new(base, parts=len(sources), as_list=True)
+    entries, requests = [], []
+    for index, source in enumerate(sources):
+        entry_name = f"{base}.{index}"
+        entries.append(Entry(entry_name, op_type, source, handle, part=index, process_set_id=set_id))
+        requests.append(_request(entry_name, op_type, source, set_id, group=base, group_size=len(sources),
+                                 **fields))
+    _submit_or_release(state, handle, entries, requests, flush=False)
+    return handle.id
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Start allgathers of a list of tensors, negotiated together; one handle, a list of results."""
+    return _submit_grouped("grouped_allgather", pb.ALLGATHER,
+                           [t.reshape(1) if isinstance(t, torch.Tensor) and t.dim() == 0 else t for t in tensors],
+                           name, process_set)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather each tensor of a list; returns the list of gathered tensors."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                                process_set=global_process_set):
+    """Start reduce-scatters of a list of tensors, negotiated together; one handle, a list of results."""
+    op = _resolve_op(None, op, "grouped_reducescatter")
+
+    def check(tensor):
+        _check_reduction(tensor, op, prescale_factor, postscale_factor, "grouped_reducescatter")
+        if tensor.dim() == 0:
+            raise ValueError("grouped_reducescatter needs tensors with at least one dimension")
+
+    return _submit_grouped("grouped_reducescatter", pb.REDUCESCATTER, tensors, name, process_set, check=check,
+                           reduce_op=op, prescale_factor=float(prescale_factor),
+                           postscale_factor=float(postscale_factor))
+
+
+def grouped_reducescatter(tensors, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                          process_set=global_process_set):
+    """Reduce-scatter each tensor of a list; returns this rank's block of each."""
+    return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor,
+                                                   process_set))
+
+
 # ------------------------------------------------------------------- control
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank (every member of ``process_set``) has called barrier()."""
