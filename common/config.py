@@ -36,6 +36,8 @@ class Config:
         allreduce_algorithm: ``"auto"``, ``"ring"`` (ringmaster's ring) or ``"mpi"`` (MPI_Allreduce).
         log_level: Python logging level name for the ``ringmaster`` loggers.
         network_interface: the interface whose address the coordinator binds to and advertises.
+        timeline: record a timeline from ``init()`` to this path; ``{rank}`` in it is replaced
+            by the rank, and without ``{rank}`` only rank 0 records.
     """
 
     coordinator_addr: Optional[str] = None
@@ -50,6 +52,7 @@ class Config:
     allreduce_algorithm: str = "auto"
     log_level: str = "WARNING"
     network_interface: Optional[str] = None
+    timeline: Optional[str] = None
 
 
 # environment variable -> (Config field, parser)
@@ -78,6 +81,20 @@ def _nonnegative_int(value: str) -> int:
     return number
 
 
+def _log_level(value: str) -> str:
+    value = value.strip().upper()
+    if value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    return value
+
+
+def _timeline(value: str) -> str:
+    directory = os.path.dirname(os.path.abspath(value.replace("{rank}", "0")))
+    if not os.path.isdir(directory):
+        raise ValueError(f"its directory {directory} does not exist; create it first")
+    return value
+
+
 def _algorithm(value: str) -> str:
     value = value.strip().lower()
     if value not in ("auto", "ring", "mpi"):
@@ -96,8 +113,9 @@ ENVIRONMENT = {
     "RINGMASTER_HEARTBEAT_TIMEOUT_S": ("heartbeat_timeout_s", _positive_float),
     "RINGMASTER_START_TIMEOUT": ("start_timeout_s", _positive_float),
     "RINGMASTER_ALLREDUCE": ("allreduce_algorithm", _algorithm),
-    "RINGMASTER_LOG_LEVEL": ("log_level", lambda v: v.strip().upper()),
+    "RINGMASTER_LOG_LEVEL": ("log_level", _log_level),
     "RINGMASTER_NETWORK_INTERFACE": ("network_interface", _text),
+    "RINGMASTER_TIMELINE": ("timeline", _timeline),
 }
 
 

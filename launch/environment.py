@@ -35,6 +35,7 @@ def tuning_environment(
     verbose: bool = False,
     heartbeat_interval_s: Optional[float] = None,
     heartbeat_timeout_s: Optional[float] = None,
+    timeline_filename: Optional[str] = None,
 ) -> Dict[str, str]:
     """The ``RINGMASTER_*`` variables for the tuning flags that were given (``None``: not given).
 
@@ -62,6 +63,8 @@ def tuning_environment(
         env["RINGMASTER_HEARTBEAT_INTERVAL_S"] = _number(heartbeat_interval_s)
     if heartbeat_timeout_s is not None:
         env["RINGMASTER_HEARTBEAT_TIMEOUT_S"] = _number(heartbeat_timeout_s)
+    if timeline_filename is not None:
+        env["RINGMASTER_TIMELINE"] = timeline_filename
     return env
 
 

@@ -22,5 +22,6 @@ from ringmaster.worker.functions import (allgather_object, broadcast_object, bro
                                          broadcast_parameters)
 from ringmaster.worker.optimizer import DistributedOptimizer
 from ringmaster.worker.sparse import sparse_allreduce_async
+from ringmaster.worker.timeline import start_timeline, stop_timeline
 from ringmaster.worker.collectives import (grouped_allgather, grouped_allgather_async, grouped_reducescatter,
                                            grouped_reducescatter_async)

@@ -25,6 +25,7 @@ import torch
 
 from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.worker import timeline
 from ringmaster.worker.errors import RankFailedError, RingmasterError, TensorMismatchError
 from ringmaster.worker.handles import Handle
 from ringmaster.worker.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
@@ -123,6 +124,12 @@ class Executor:
 
     def submit(self, response_list: pb.ResponseList) -> None:
         """Called by the receiver thread for each response list, in arrival order."""
+        recording = timeline.active()
+        if recording is not None:
+            recording.cycle()
+            for response in response_list.responses:
+                recording.end(response.names)  # negotiation is over
+                recording.begin(response.names, "QUEUE")
         self._queue.put(response_list)
 
     def stop(self, timeout_s: float = 10.0) -> bool:
@@ -149,8 +156,17 @@ class Executor:
                 return
             self._expected_sequence += 1
             for response in item.responses:
+                recording = timeline.active()
                 try:
-                    self._execute(response)
+                    if recording is None:
+                        self._execute(response)
+                    else:
+                        recording.end(response.names)  # out of the queue
+                        recording.begin(response.names, pb.OpType.Name(response.op_type))
+                        try:
+                            self._execute(response)
+                        finally:
+                            recording.end(response.names)
                 except Exception as error:  # noqa: BLE001 - every failure must reach the handles
                     failure = RingmasterError(
                         f"rank {self.rank}: {pb.OpType.Name(response.op_type).lower()} of "
@@ -215,6 +231,9 @@ class Executor:
                 self._complete(entry, part.view(shape))
             return
         buffer = self._fusion_buffer(wire_dtype, sum(sizes))
+        recording = timeline.active()
+        if recording is not None:
+            recording.begin(response.names, "MEMCPY_IN_FUSION_BUFFER")
         if everyone:
             torch.cat([entry.tensor.reshape(-1) for entry in entries], out=buffer)  # one op, not one per tensor
         else:
@@ -223,7 +242,11 @@ class Executor:
                     part.fill_(_identity(response.reduce_op, wire_dtype))
                 else:
                     part.copy_(entry.tensor.reshape(-1))
+        if recording is not None:
+            recording.end(response.names)
         self._reduce_in_place(buffer, response, group)
+        if recording is not None:
+            recording.begin(response.names, "MEMCPY_OUT_FUSION_BUFFER")
         done = []
         for entry, part, shape in zip(entries, buffer.split(sizes), shapes):
             if entry is None:
@@ -233,6 +256,8 @@ class Executor:
             else:
                 entry.output.reshape(-1).copy_(part)
                 done.append((entry, entry.output))
+        if recording is not None:
+            recording.end(response.names)
         # Complete only after every copy: a woken caller would otherwise fight this thread for the GIL.
         for entry, result in done:
             self._complete(entry, result)
@@ -242,8 +267,17 @@ class Executor:
         """Allreduce into the 1-D contiguous ``flat`` (from ``source`` if given), with Horovod's scaling."""
         if response.prescale_factor != 1.0:
             flat.mul_(response.prescale_factor)
-        ops.allreduce(group.comm, flat_array(flat), OPS_REDUCTION[response.reduce_op], self.algorithm,
+        array, reduction = flat_array(flat), OPS_REDUCTION[response.reduce_op]
+        recording = timeline.active()
+        if recording is not None:
+            algorithm = self.algorithm
+            if algorithm == "auto":
+                algorithm = ops.choose_algorithm(array.nbytes, group.size, array.dtype, reduction)
+            recording.begin(response.names, f"{algorithm.upper()}_ALLREDUCE")
+        ops.allreduce(group.comm, array, reduction, self.algorithm,
                       source=None if source is None else flat_array(source))
+        if recording is not None:
+            recording.end(response.names)
         self._postscale(flat, response, group.size)
 
     @staticmethod

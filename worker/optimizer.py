@@ -99,10 +99,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in members:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if p.grad.is_sparse:
-                raise ValueError(f"parameter '{self._parameter_names[p]}' has a sparse gradient and cannot be "
-                                 f"in a group; leave it out of groups= or pass sparse_as_dense=True")
-            compressed, ctx = self._compression.compress(p.grad)
+            grad = p.grad
+            if grad.is_sparse:
+                if not self._sparse_as_dense:
+                    raise ValueError(f"parameter '{self._parameter_names[p]}' has a sparse gradient and cannot "
+                                     f"be in a group; leave it out of groups= or pass sparse_as_dense=True")
+                grad = grad.to_dense()
+            compressed, ctx = self._compression.compress(grad)
             grads.append(compressed)
             contexts.append(ctx)
         prescale, postscale = self._scaling()

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from ringmaster.common.config import Config, load_config
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.worker import timeline
 from ringmaster.worker.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.client import CoordinatorClient
 from ringmaster.worker.errors import NotInitializedError, RingmasterError
@@ -74,6 +75,9 @@ class Runtime:
             for entry in added:
                 self.table.drop(entry.process_set_id, entry.name)
             raise
+        recording = timeline.active()
+        if recording is not None:
+            recording.begin([entry.name for entry in entries], f"NEGOTIATE_{pb.OpType.Name(entries[0].op_type)}")
         self.outbox.add(requests, flush)
 
     def submit_join(self, handle) -> None:
@@ -176,6 +180,12 @@ def init(comm=None) -> None:
                                   "(mpi4py does by default unless mpi4py.rc.thread_level was changed)")
         _runtime = Runtime(comm.Dup(), config)
         _install_exit_hooks()
+    if config.timeline and ("{rank}" in config.timeline or _runtime.rank == 0):
+        try:
+            timeline.start_timeline(config.timeline.replace("{rank}", str(_runtime.rank)))
+        except Exception:
+            shutdown()  # init() either succeeds or leaves nothing running
+            raise
 
 
 def shutdown() -> None:
@@ -185,6 +195,7 @@ def shutdown() -> None:
         runtime, _runtime = _runtime, None
     if runtime is not None:
         runtime.shutdown()
+    timeline.stop_timeline()
 
 
 def is_initialized() -> bool:

@@ -183,12 +183,13 @@ def train_with_list_groups():
 train_with_list_groups()
 
 
-def train_sparse(case, sparse_as_dense):
+def train_sparse(case, sparse_as_dense, groups=None):
     torch.manual_seed(2)
     model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2))
     reference = copy.deepcopy(model)
     optimizer = rm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                        named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense)
+                                        named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense,
+                                        groups=groups)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(5)
     for _ in range(STEPS):
@@ -205,6 +206,7 @@ def train_sparse(case, sparse_as_dense):
 
 train_sparse("sparse embedding gradient (allgather)", sparse_as_dense=False)
 train_sparse("sparse embedding gradient, sparse_as_dense", sparse_as_dense=True)
+train_sparse("sparse embedding gradient, sparse_as_dense, in a group", sparse_as_dense=True, groups=1)
 
 
 def fp16_compression():
