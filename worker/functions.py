@@ -10,6 +10,7 @@ from typing import Any, List, Optional
 import torch
 
 from ringmaster.worker import collectives
+from ringmaster.worker.process_sets import ProcessSet, global_process_set, member_set
 from ringmaster.worker.runtime import runtime
 
 #: Object payloads move in chunks of at most this many bytes (MPI counts are 32-bit).
@@ -42,35 +43,54 @@ def broadcast_parameters(params, root_rank: int) -> None:
             collectives.synchronize(handle)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
-    """Return ``root_rank``'s ``obj`` on every rank (pickled; any size)."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (every member of ``process_set``).
+
+    The object is pickled, so it may be of any size and any picklable type. ``root_rank``
+    is a global rank.
+    """
     state = runtime()
     collectives._check_root(root_rank, "broadcast_object")
-    base = collectives._auto_name("broadcast_object", name)
-    payload = _dumps(obj) if state.rank == root_rank else b""
-    length = torch.tensor([len(payload)], dtype=torch.int64)
-    collectives.broadcast_(length, root_rank, name=f"{base}.size")
+    base = collectives._auto_name("broadcast_object", name, member_set(process_set, "broadcast_object").process_set_id)
+    payload, problem = _dumps(obj) if state.rank == root_rank else (b"", None)
+    # A length of -1 tells the other ranks the root could not pickle: all raise, none waits.
+    length = torch.tensor([-1 if problem else len(payload)], dtype=torch.int64)
+    collectives.broadcast_(length, root_rank, name=f"{base}.size", process_set=process_set)
+    if int(length) < 0:
+        why = f" ({problem})" if problem else ""
+        raise TypeError(f"broadcast_object: rank {root_rank}'s object cannot be pickled{why}; send picklable "
+                        f"data (plain containers, numbers, strings, tensors)")
     data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
             else torch.empty(int(length), dtype=torch.uint8))
-    handles = [collectives.broadcast_async_(chunk, root_rank, name=f"{base}.{index}")
+    handles = [collectives.broadcast_async_(chunk, root_rank, name=f"{base}.{index}", process_set=process_set)
                for index, chunk in enumerate(data.split(OBJECT_CHUNK_BYTES))]
     for handle in handles:
         collectives.synchronize(handle)
     return obj if state.rank == root_rank else pickle.loads(data.numpy().tobytes())
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
-    """Return the list of every rank's ``obj``, indexed by rank (pickled; any size)."""
-    state = runtime()
-    base = collectives._auto_name("allgather_object", name)
-    payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
-    sizes = collectives.allgather(torch.tensor([payload.numel()], dtype=torch.int64),
-                                  name=f"{base}.size").tolist()
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Return the list of every rank's ``obj`` (pickled; any size).
+
+    The list is indexed by rank, or with ``process_set`` by position in ``process_set.ranks``.
+    """
+    members = member_set(process_set, "allgather_object")
+    base = collectives._auto_name("allgather_object", name, members.process_set_id)
+    pickled, problem = _dumps(obj)
+    payload = torch.frombuffer(bytearray(pickled), dtype=torch.uint8) if pickled else torch.empty(0, dtype=torch.uint8)
+    sizes = collectives.allgather(torch.tensor([-1 if problem else payload.numel()], dtype=torch.int64),
+                                  name=f"{base}.size", process_set=process_set).tolist()
+    failed = [rank for rank, size in zip(members.ranks, sizes) if size < 0]
+    if failed:  # every rank learns it from the sizes: all raise, none waits
+        raise TypeError(f"allgather_object: the object of rank(s) {failed} cannot be pickled"
+                        f"{f' ({problem})' if problem else ''}; send picklable data (plain containers, numbers, "
+                        f"strings, tensors)")
     # Round r moves bytes [r*chunk, (r+1)*chunk) of every payload; a finished rank sends none.
     rounds = max(1, -(-max(sizes) // OBJECT_CHUNK_BYTES))
     handles = [collectives.allgather_async(payload[r * OBJECT_CHUNK_BYTES:(r + 1) * OBJECT_CHUNK_BYTES],
-                                           name=f"{base}.{r}") for r in range(rounds)]
-    pieces = [[] for _ in range(state.size)]
+                                           name=f"{base}.{r}", process_set=process_set) for r in range(rounds)]
+    pieces = [[] for _ in sizes]
     for r, handle in enumerate(handles):
         gathered = collectives.synchronize(handle)
         offset = 0
@@ -78,7 +98,8 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
             count = min(OBJECT_CHUNK_BYTES, max(0, size - r * OBJECT_CHUNK_BYTES))
             pieces[rank].append(gathered[offset:offset + count].numpy().tobytes())
             offset += count
-    return [obj if rank == state.rank else pickle.loads(b"".join(parts)) for rank, parts in enumerate(pieces)]
+    mine = members.rank()
+    return [obj if index == mine else pickle.loads(b"".join(parts)) for index, parts in enumerate(pieces)]
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
@@ -169,9 +190,9 @@ def _restore_tensors(value, received):
     return restore(value)
 
 
-def _dumps(obj: Any) -> bytes:
+def _dumps(obj: Any):
+    """(pickled bytes, None), or (b"", why) when ``obj`` cannot be pickled."""
     try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
     except Exception as error:  # noqa: BLE001 - pickle raises many types
-        raise TypeError(f"rank {runtime().rank}: the object cannot be pickled ({type(error).__name__}: "
-                        f"{error}); send picklable data (plain containers, numbers, strings, tensors)") from None
+        return b"", f"{type(error).__name__}: {error}"

@@ -17,6 +17,7 @@ import torch
 
 from ringmaster.worker import collectives
 from ringmaster.worker.compression import Compression
+from ringmaster.worker.process_sets import ProcessSet, global_process_set
 from ringmaster.worker.runtime import runtime
 from ringmaster.worker.sparse import sparse_allreduce_async
 
@@ -27,7 +28,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
 
     def _setup(self, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense) -> None:
+               gradient_predivide_factor, groups, sparse_as_dense, process_set) -> None:
+        self._process_set = process_set
         self._compression = compression
         self._op = op
         self._predivide = float(gradient_predivide_factor)
@@ -44,7 +46,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._synchronized = False
         self._should_synchronize = True
-        if runtime().size > 1:
+        runtime()  # must be initialized
+        # Outside its process set a rank trains alone: nothing to reduce, as with one rank.
+        if process_set.included() and process_set.size() > 1:
             for p in self._requires_update:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
 
@@ -85,12 +89,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad.is_sparse:
             if not self._sparse_as_dense:
-                return sparse_allreduce_async(grad, name=name, op=self._op), None, None
+                return sparse_allreduce_async(grad, name=name, op=self._op, process_set=self._process_set), None, None
             grad = grad.to_dense()
         compressed, ctx = self._compression.compress(grad)
         prescale, postscale = self._scaling()
-        handle = collectives.allreduce_async_(compressed, name=name, op=self._op,
-                                              prescale_factor=prescale, postscale_factor=postscale)
+        handle = collectives.allreduce_async_(compressed, name=name, op=self._op, prescale_factor=prescale,
+                                              postscale_factor=postscale, process_set=self._process_set)
         return handle, ctx, compressed
 
     def _allreduce_group_async(self, group: int) -> None:
@@ -110,7 +114,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             contexts.append(ctx)
         prescale, postscale = self._scaling()
         handle = collectives.grouped_allreduce_async_(grads, name=f"{_NAME_PREFIX}group.{group}", op=self._op,
-                                                      prescale_factor=prescale, postscale_factor=postscale)
+                                                      prescale_factor=prescale, postscale_factor=postscale,
+                                                      process_set=self._process_set)
         self._group_ready.pop(group, None)
         for p, ctx, compressed in zip(members, contexts, grads):
             self._handles[p] = ((handle, group), ctx, compressed)
@@ -122,7 +127,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Gradients not produced on this rank in this step are reduced as zeros, so that
         every rank runs the same allreduces.
         """
-        if runtime().size == 1 or not self._hooks:
+        if not self._hooks:
             self._synchronized = True
             return
         for p in self._requires_update:
@@ -200,7 +205,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=collectives.Average, gradient_predivide_factor: float = 1.0,
-                         groups=None, sparse_as_dense: bool = False):
+                         groups=None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set):
     """Wrap ``optimizer`` so that ``step()`` uses gradients reduced over all ranks.
 
     Args:
@@ -217,6 +223,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             lists of parameters; each group is reduced as one grouped allreduce once all its
             gradients are ready.
         sparse_as_dense: reduce sparse gradients as dense tensors instead of allgathering them.
+        process_set: average over the ranks of this process set only; ranks outside it
+            step on their own gradients.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -247,8 +255,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     # `step` bound on the instance (an LR scheduler's counter) would bypass ours: drop it.
     wrapped.__dict__.update({key: value for key, value in vars(optimizer).items()
                              if key not in ("step", "zero_grad")})
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ringmaster.ProcessSet, got {type(process_set).__name__}")
+    if process_set.process_set_id is None:
+        raise ValueError(f"{process_set!r} is not registered; pass it to ringmaster.add_process_set() first")
     wrapped._setup(named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, groups, sparse_as_dense)
+                   gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return wrapped
 
 

@@ -11,10 +11,12 @@ from typing import Optional
 import torch
 
 from ringmaster.worker import collectives
+from ringmaster.worker.process_sets import ProcessSet, global_process_set, member_set
 from ringmaster.worker.runtime import runtime
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None) -> int:
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None,
+                           process_set: ProcessSet = global_process_set) -> int:
     """Start reducing the sparse ``tensor`` over all ranks with ``Average`` (default) or ``Sum``.
 
     Returns a handle; :func:`synchronize` gives the reduced tensor as an uncoalesced sparse
@@ -28,11 +30,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
                         f"{tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__}; "
                         f"use allreduce_async for dense tensors")
     state = runtime()
-    base = collectives._auto_name("sparse_allreduce", name)
+    members = member_set(process_set, "sparse_allreduce_async")
+    base = collectives._auto_name("sparse_allreduce", name, members.process_set_id)
     # Allgather concatenates along the first dimension, so indices travel transposed (nnz, ndim).
-    indices = collectives.allgather_async(tensor._indices().t().contiguous(), name=f"{base}.indices")
-    values = collectives.allgather_async(tensor._values().contiguous(), name=f"{base}.values")
-    size, shape, divide = state.size, tensor.shape, op == collectives.Average
+    indices = collectives.allgather_async(tensor._indices().t().contiguous(), name=f"{base}.indices",
+                                          process_set=process_set)
+    values = collectives.allgather_async(tensor._values().contiguous(), name=f"{base}.values",
+                                         process_set=process_set)
+    size, shape, divide = members.size(), tensor.shape, op == collectives.Average
 
     def combine(all_indices, all_values):
         if divide:

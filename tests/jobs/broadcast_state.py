@@ -161,8 +161,12 @@ refuses("Adasum", lambda: rm.DistributedOptimizer(sgd(), op=rm.Adasum), NotImple
 refuses("not an optimizer", lambda: rm.DistributedOptimizer(model), TypeError, ["torch.optim.Optimizer"])
 refuses("wrapped twice", lambda: rm.DistributedOptimizer(rm.DistributedOptimizer(sgd())), ValueError, ["already"])
 refuses("bad compression", lambda: rm.DistributedOptimizer(sgd(), compression="fp16"), TypeError, ["compress"])
-refuses("broadcast_object of an unpicklable object", lambda: rm.broadcast_object(lambda: 0) if RANK == 0
-        else (_ for _ in ()).throw(TypeError("cannot be pickled (skipped off root)")), TypeError, ["pickled"])
+refuses("broadcast_object of an unpicklable object fails on every rank",
+        lambda: rm.broadcast_object(lambda: 0, root_rank=0), TypeError, ["rank 0", "cannot be pickled"])
+refuses("allgather_object with one unpicklable object fails on every rank",
+        lambda: rm.allgather_object((lambda: 0) if RANK == SIZE - 1 else RANK), TypeError,
+        [f"rank(s) [{SIZE - 1}]", "cannot be pickled"])
+report("object collectives work after a refused object", rm.allgather_object(RANK) == list(range(SIZE)))
 refuses("broadcast_parameters of a tensor", lambda: rm.broadcast_parameters(torch.ones(2), 0), ValueError,
         ["state_dict"])
 
@@ -176,6 +180,35 @@ optimizer.step()
 optimizer.zero_grad()
 report("build queries answer for ringmaster", rm.mpi_built() and rm.mpi_enabled() and not rm.gloo_built()
        and not rm.nccl_built() and not rm.cuda_built())
+
+# --------------------------------------------------------------- process sets
+if SIZE == 4:
+    evens, odds = rm.add_process_set([0, 2]), rm.add_process_set([1, 3])
+    mine = evens if RANK % 2 == 0 else odds
+    report("allgather_object in a process set", rm.allgather_object(RANK * 10, process_set=mine)
+           == [r * 10 for r in mine.ranks])
+    report("broadcast_object in a process set", rm.broadcast_object(f"from {RANK}", root_rank=mine.ranks[1],
+                                                                    process_set=mine) == f"from {mine.ranks[1]}")
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    reference = copy.deepcopy(model)
+    optimizer = rm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), process_set=mine)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    inputs = {r: torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(SIZE)}
+    for _ in range(3):
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        model(inputs[RANK]).pow(2).mean().backward()
+        (sum(reference(inputs[r]).pow(2).mean() for r in mine.ranks) / 2).backward()
+        optimizer.step()
+        reference_optimizer.step()
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    report("DistributedOptimizer(process_set=) averages over the set only", worst < 1e-6, f"{worst:.3g}")
+    rm.remove_process_set(evens)
+    rm.remove_process_set(odds)
+    refuses("DistributedOptimizer with a removed process set", lambda: rm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), process_set=evens), ValueError, ["add_process_set"])
 
 print(f"DONE {cases} cases, {failures} failures", flush=True)
 rm.shutdown()
