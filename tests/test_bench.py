@@ -1,6 +1,7 @@
 """The benchmark scripts still run and print their tables (tiny budgets: a smoke test, not a timing)."""
 
 import pathlib
+import re
 import sys
 
 import pytest
@@ -24,3 +25,17 @@ def test_ring_vs_mpi_benchmark_prints_its_table():
                           "--sizes", "4K,1M", "--reps", "3"], timeout=110, env=job_environment())
     assert result.returncode == 0, result.output[-3000:]
     assert "1 MiB" in result.stdout or "1M" in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(90)
+def test_training_benchmark_prints_its_table_and_a_trace():
+    result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "train.py"),
+                          "--rounds", "1", "--steps", "1", "--warmup", "1", "--batch-size", "2", "--trace"],
+                         timeout=80, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    for model in ("mlp", "cnn"):
+        for mode in ("no-comm", "ringmaster", "ddp-gloo"):
+            assert re.search(rf"^(\[0\]: )?{model} .* {mode} ", result.stdout, re.MULTILINE), result.stdout
+    # One traced step per model and rank, read from ringmaster's timeline.
+    assert result.stdout.count("first allreduce") == 4, result.stdout
+    assert len(re.findall(r"\d+ of \d+ allreduces started before backward ended", result.stdout)) == 4, result.stdout

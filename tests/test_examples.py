@@ -1,4 +1,4 @@
-"""README's main job: the example trains through ringrun and the ranks end with the same model."""
+"""README's main job: the examples train through ringrun, the ranks end with the same model, and training resumes."""
 
 import pathlib
 import re
@@ -8,19 +8,20 @@ import pytest
 from mpijob import job_environment, run_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 
 
-@pytest.mark.timeout(180)
-def test_training_example_learns_under_ringrun():
-    result = run_command([sys.executable, "-m", "ringmaster.launch", "-np", "2", sys.executable,
-                          str(ROOT / "examples" / "train_mlp.py"), "--epochs", "3"],
-                         timeout=170, env=job_environment())
-    assert result.returncode == 0, result.output[-3000:]
-    losses = [float(x) for x in re.findall(r"epoch \d+: loss ([0-9.]+)", result.stdout)]
-    assert len(losses) == 3 and losses[-1] < losses[0], result.stdout
-    accuracy = float(re.search(r"final test accuracy ([0-9.]+)", result.stdout).group(1))
-    assert accuracy > 0.85, result.stdout
-    assert "ranks agree on the weights (max difference 0.0e+00)" in result.stdout
+def run_example(ranks, script, *args, timeout):
+    """Run ``examples/<script>`` under ringrun on ``ranks`` ranks (more than 2 oversubscribe 2 cores)."""
+    oversubscribe = ["--oversubscribe"] if ranks > 2 else []
+    return run_command([sys.executable, "-m", "ringmaster.launch", "-np", str(ranks), *oversubscribe,
+                        sys.executable, str(EXAMPLES / script), *map(str, args)],
+                       timeout=timeout, env=job_environment())
+
+
+def epoch_losses(stdout):
+    """{epoch: loss} from the lines rank 0 prints after each epoch."""
+    return {int(epoch): float(loss) for epoch, loss in re.findall(r"epoch (\d+): loss ([0-9.]+)", stdout)}
 
 
 @pytest.mark.timeout(90)
@@ -30,3 +31,59 @@ def test_quick_start_runs_and_ranks_agree():
     assert result.returncode == 0, result.output[-3000:]
     losses = re.findall(r"\[\d\]: \d final loss ([0-9.]+)", result.stdout)
     assert len(losses) == 2 and losses[0] == losses[1], result.stdout
+
+
+@pytest.fixture(scope="module")
+def digits_on_two_ranks():
+    """README's main command, run once: 10 epochs of examples/pytorch_digits.py on 2 ranks."""
+    return run_example(2, "pytorch_digits.py", timeout=80)
+
+
+def check_digits_run(result):
+    """The run trained 10 epochs to at least 95 % test accuracy and its ranks hold the same weights."""
+    assert result.returncode == 0, result.output[-3000:]
+    losses = epoch_losses(result.stdout)
+    assert sorted(losses) == list(range(1, 11)) and losses[10] < losses[1], result.stdout
+    accuracy = float(re.search(r"final test accuracy ([0-9.]+)", result.stdout).group(1))
+    assert accuracy >= 0.95, result.stdout
+    assert "ranks agree on the weights (max difference 0.0e+00)" in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(90)
+def test_digits_example_reaches_95_percent_on_two_ranks(digits_on_two_ranks):
+    check_digits_run(digits_on_two_ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_digits_example_reaches_95_percent_on_four_ranks():
+    check_digits_run(run_example(4, "pytorch_digits.py", timeout=80))
+
+
+@pytest.mark.timeout(150)
+def test_digits_example_resumes_from_its_checkpoint(tmp_path, digits_on_two_ranks):
+    checkpoint = tmp_path / "digits.pt"
+    first = run_example(2, "pytorch_digits.py", "--epochs", 2, "--checkpoint", checkpoint, timeout=60)
+    assert first.returncode == 0, first.output[-3000:]
+    assert sorted(epoch_losses(first.stdout)) == [1, 2] and checkpoint.exists(), first.stdout
+
+    resumed = run_example(2, "pytorch_digits.py", "--epochs", 3, "--checkpoint", checkpoint, "--resume", timeout=60)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert "from epoch 3 to 3" in resumed.stdout and sorted(epoch_losses(resumed.stdout)) == [3], resumed.stdout
+
+    # The uninterrupted run: nothing in an epoch depends on --epochs, so the 10-epoch run's first 3 epochs.
+    expected = epoch_losses(digits_on_two_ranks.stdout)
+    # Weights, momentum and the data order all carry over: the same losses to the last printed digit.
+    assert epoch_losses(first.stdout) == {1: expected[1], 2: expected[2]}, (first.stdout, digits_on_two_ranks.stdout)
+    assert epoch_losses(resumed.stdout)[3] == expected[3], (resumed.stdout, digits_on_two_ranks.stdout)
+
+
+@pytest.mark.timeout(60)
+def test_synthetic_benchmark_reports_images_per_second():
+    result = run_example(2, "synthetic_benchmark.py", "--model", "lenet", "--batch-size", 8,
+                         "--num-warmup-batches", 1, "--num-batches-per-iter", 2, "--num-iters", 2,
+                         "--fp16-allreduce", timeout=50)
+    assert result.returncode == 0, result.output[-3000:]
+    assert len(result.lines_starting("Iter #")) == 2, result.stdout
+    assert re.search(r"Img/sec per rank: [0-9.]+ \+-[0-9.]+", result.stdout), result.stdout
+    assert re.search(r"Total img/sec on 2 rank\(s\): [0-9.]+ \+-[0-9.]+", result.stdout), result.stdout
