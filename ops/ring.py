@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 from . import _checks
 from .dtypes import numpy_ufunc
+from .waiting import wait, wait_all
 
 #: Default segment size, measured with ``bench/ring_vs_mpi.py --segments`` on the 2-core
 #: CI VM (Open MPI 5.0.11 shared memory, float32 sum, 2 ranks, median ms, 3 runs):
@@ -73,7 +74,8 @@ def chunk_bounds(length: int, parts: int) -> list:
 
 
 def ring_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
-                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, source: np.ndarray = None) -> np.ndarray:
+                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, source: np.ndarray = None,
+                   scale: float = None) -> np.ndarray:
     """Allreduce ``buffer`` in place across ``comm`` with the pipelined ring; return it.
 
     With ``source``, this rank's contribution is read from ``source`` and the result
@@ -85,6 +87,9 @@ def ring_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
         op: "sum", "min", "max" or "prod" (on bool: sum/max = or, prod/min = and).
         segment_bytes: size of the pieces each chunk is moved in (rounded down to whole
             elements, at least one). Must be the same on every rank.
+        scale: multiply the result by this (e.g. 1/N for an average). Each chunk is scaled
+            once, right after its last reduction and before it is sent around, so every
+            rank gets the same bits at the cost of 1/N of a pass over the buffer.
 
     Every rank ends with bit-identical results. Floating-point sums are accumulated in
     ring order, so they can differ in the last bits from ``numpy.sum`` or MPI_Allreduce.
@@ -99,12 +104,15 @@ def ring_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
     if size == 1 or buffer.size == 0:
         if source is not None:
             np.copyto(buffer, source)
+        if scale is not None and scale != 1.0:
+            np.multiply(buffer, scale, out=buffer)
         return buffer
     # Float overflow gives inf (and inf - inf nan) silently, as in MPI_Allreduce; NumPy
     # would otherwise warn on whichever ranks happened to reduce the overflowing chunk.
     with np.errstate(over="ignore", invalid="ignore"):
         _run_ring(comm, buffer, numpy_ufunc(buffer.dtype, op),
-                  max(1, segment_bytes // buffer.itemsize), buffer if source is None else source)
+                  max(1, segment_bytes // buffer.itemsize), buffer if source is None else source,
+                  None if scale == 1.0 else scale)
     return buffer
 
 
@@ -112,7 +120,8 @@ def _ring_schedule(rank: int, size: int, length: int, segment: int):
     """What ``rank`` moves, as element ranges, in order.
 
     Returns ``(receives, first_sends, first_step_receives)``: ``receives`` holds a
-    ``(start, stop, reduce, forward)`` tuple per received segment; ``first_sends`` the
+    ``(start, stop, reduce, forward, last_reduce)`` tuple per received segment
+    (``last_reduce``: the segment is final after this reduction); ``first_sends`` the
     ``(start, stop)`` segments of the chunk sent first, from this rank's own data; and
     ``first_step_receives`` how many of ``receives`` belong to scatter-reduce step 0.
     Cached when short: a training job allreduces the same few lengths over and over,
@@ -142,7 +151,8 @@ def _build_schedule(rank: int, size: int, length: int, segment: int):
         else:                 # allgather step s = step - (N-1)
             chunk, reduce = (rank - (step - size + 1)) % size, False
         forward = step < steps - 1
-        receives.extend((lo, hi, reduce, forward) for lo, hi in segments(chunk))
+        last_reduce = step == size - 2
+        receives.extend((lo, hi, reduce, forward, last_reduce) for lo, hi in segments(chunk))
     return tuple(receives), tuple(segments(rank)), first_step_receives
 
 
@@ -167,7 +177,8 @@ def _scratch(slot: int, nbytes: int) -> np.ndarray:
 _scratch_store = threading.local()
 
 
-def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int, source: np.ndarray) -> None:
+def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int, source: np.ndarray,
+              scale: float = None) -> None:
     # This rank's own data is read from ``source`` (which may be ``buffer`` itself) only
     # where it enters: the first chunk sent, and each scatter-reduce accumulation. Every
     # segment of ``buffer`` is written once, by a reduction or by an allgather receive.
@@ -202,14 +213,14 @@ def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int,
             first_issued += 1
 
     def post(index):
-        lo, hi, reduce, _ = receives[index]
+        lo, hi, reduce, _, _ = receives[index]
         if reduce:
             target = scratch_raw[index % RECEIVE_DEPTH][:(hi - lo) * item]
         else:
             issue_first(everything)   # so that the pop below finds every send of lo
             pending = sending.pop(lo, None)
             if pending is not None:
-                pending.Wait()
+                wait(pending)
             target = raw[lo * item:hi * item]
         tag = FIRST_CHUNK_TAG if index < first_step else RING_TAG
         return comm.Irecv([target, MPI.BYTE], left, tag)
@@ -221,13 +232,15 @@ def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int,
         ahead = index + RECEIVE_DEPTH - 1
         if ahead < total:
             posted.append(post(ahead))
-        lo, hi, reduce, forward = receives[index]
-        posted[index].Wait()
+        lo, hi, reduce, forward, last_reduce = receives[index]
+        wait(posted[index])
         posted[index] = None
         if reduce:
             ufunc(source[lo:hi], scratch[index % RECEIVE_DEPTH][:hi - lo], out=buffer[lo:hi])
+            if last_reduce and scale is not None:
+                np.multiply(buffer[lo:hi], scale, out=buffer[lo:hi])
         if forward:
             sending[lo] = comm.Isend([raw[lo * item:hi * item], MPI.BYTE], right, RING_TAG)
         if first_issued < everything:
             issue_first(index + 1 + SEND_WINDOW if index + 2 < first_step else everything)
-    MPI.Request.Waitall(list(sending.values()))
+    wait_all(sending.values())

@@ -163,6 +163,21 @@ ring_allreduce(comm, buffer, "sum", segment_bytes=64, source=source)
 check("ring source= small segments", buffer, reduce_all(inputs, "sum"))
 check_identical("ring source= small segments", buffer)
 
+# scale=: the result multiplied once (each chunk by the rank that finishes it), bit-identical everywhere.
+for algorithm in ("ring", "mpi"):
+    for dtype in ("float32", "float64", "float16"):
+        for n in (0, 1, 5, 10_007):
+            inputs = [make((57, k, n), dtype, "sum", n) for k in range(size)]
+            buffer = inputs[rank].copy()
+            allreduce(comm, buffer, "sum", algorithm=algorithm, scale=1.0 / size)
+            expected = (reduce_all(inputs, "sum").astype(np.float64) / size).astype(dtype)
+            check(f"allreduce scale=1/size {algorithm} {dtype} n={n}", buffer, expected)
+            check_identical(f"allreduce scale=1/size {algorithm} {dtype} n={n}", buffer)
+inputs = [make((58, k), "float32", "sum", 10_007) for k in range(size)]
+buffer = inputs[rank].copy()
+ring_allreduce(comm, buffer, "sum", segment_bytes=64, scale=0.5)
+check("ring scale=0.5 small segments", buffer, reduce_all(inputs, "sum") * np.float32(0.5))
+
 buffer = np.arange(10, dtype=np.int64)
 ring_allreduce(comm, buffer)
 ring_allreduce(comm, buffer)
@@ -349,5 +364,5 @@ def test_choose_algorithm_is_a_pure_size_rule():
     assert {choose_algorithm(32 << 20, 2, d, "sum")
             for d in ("float32", np.float32, np.dtype("float32"))} == {"ring"}
     # uint8 sums go through MPI as uint32, so the ring takes over sooner than for max.
-    assert choose_algorithm(1 << 20, 2, np.uint8, "sum") == "ring"
-    assert choose_algorithm(1 << 20, 2, np.uint8, "max") == "mpi"
+    assert choose_algorithm(512 << 10, 2, np.uint8, "sum") == "ring"
+    assert choose_algorithm(512 << 10, 2, np.uint8, "max") == "mpi"
