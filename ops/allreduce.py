@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _checks
+from .dtypes import scale_in_place
 from .mpi_collectives import mpi_allreduce
 from .ring import ring_allreduce
 
@@ -113,6 +114,5 @@ def allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
         return ring_allreduce(comm, buffer, op, source=source, scale=scale)
     mpi_allreduce(comm, buffer, op, source=source)
     if scale is not None and scale != 1.0:
-        with np.errstate(over="ignore"):
-            np.multiply(buffer, scale, out=buffer)
+        scale_in_place(buffer, scale)
     return buffer

@@ -73,10 +73,43 @@ def mpi_datatype(dtype) -> MPI.Datatype:
         raise TypeError(_unsupported_dtype_message(dtype)) from None
 
 
-def numpy_ufunc(dtype, op: str) -> np.ufunc:
-    """The binary NumPy ufunc implementing ``op`` on ``dtype`` (called with ``out=``)."""
+def numpy_ufunc(dtype, op: str):
+    """The binary function ``f(a, b, out=)`` implementing ``op`` on NumPy arrays of ``dtype``.
+
+    A NumPy ufunc, except for float16: NumPy's float16 loops convert element by element
+    (measured 7.4 ms for 1 Mi elements against 0.18 ms in float32), so float16 is reduced
+    by torch's vectorized kernels on the same memory (0.18 ms).
+    """
+    if np.dtype(dtype) == _FLOAT16:
+        return _HALF_FUNCTIONS[op]
     table = _BOOL_UFUNCS if np.dtype(dtype) == _BOOL else _NUMERIC_UFUNCS
     return table[op]
+
+
+def scale_in_place(array: np.ndarray, factor: float) -> None:
+    """``array *= factor`` (float16 through torch, as in :func:`numpy_ufunc`)."""
+    if array.dtype == _FLOAT16:
+        import torch
+
+        torch.from_numpy(array).mul_(factor)
+    else:
+        with np.errstate(over="ignore"):
+            np.multiply(array, factor, out=array)
+
+
+def _torch_binary(function_name: str):
+    def apply(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+        import torch  # only float16 needs it; the ops layer works on NumPy arrays
+
+        getattr(torch, function_name)(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+        return out
+
+    apply.__name__ = f"half_{function_name}"
+    return apply
+
+
+_HALF_FUNCTIONS = {"sum": _torch_binary("add"), "prod": _torch_binary("mul"),
+                   "min": _torch_binary("minimum"), "max": _torch_binary("maximum")}
 
 
 class Reduction(NamedTuple):

@@ -30,7 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _checks
-from .dtypes import numpy_ufunc
+from .dtypes import numpy_ufunc, scale_in_place
 from .waiting import wait, wait_all
 
 #: Default segment size, measured with ``bench/ring_vs_mpi.py --segments`` on the 2-core
@@ -105,7 +105,7 @@ def ring_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
         if source is not None:
             np.copyto(buffer, source)
         if scale is not None and scale != 1.0:
-            np.multiply(buffer, scale, out=buffer)
+            scale_in_place(buffer, scale)
         return buffer
     # Float overflow gives inf (and inf - inf nan) silently, as in MPI_Allreduce; NumPy
     # would otherwise warn on whichever ranks happened to reduce the overflowing chunk.
@@ -238,7 +238,7 @@ def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int,
         if reduce:
             ufunc(source[lo:hi], scratch[index % RECEIVE_DEPTH][:hi - lo], out=buffer[lo:hi])
             if last_reduce and scale is not None:
-                np.multiply(buffer[lo:hi], scale, out=buffer[lo:hi])
+                scale_in_place(buffer[lo:hi], scale)
         if forward:
             sending[lo] = comm.Isend([raw[lo * item:hi * item], MPI.BYTE], right, RING_TAG)
         if first_issued < everything:
