@@ -17,7 +17,7 @@ from typing import Iterable
 from mpi4py import MPI
 
 #: How long to poll without sleeping: longer than a message in flight takes to land.
-SPIN_S = 1e-3
+SPIN_S = 100e-6
 #: First and longest pause between tests once spinning did not finish the request.
 FIRST_PAUSE_S = 20e-6
 LONGEST_PAUSE_S = 500e-6
