@@ -183,15 +183,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        """Wait for the averaged gradients (unless in ``skip_synchronize()``), then step."""
+        """Wait for the averaged gradients (unless in ``skip_synchronize()``), then step.
+
+        With a ``closure`` (which recomputes the loss and calls ``backward()``), every
+        evaluation of it is followed by the wait, so the optimizer sees averaged gradients
+        however often it calls it. All ranks must evaluate the closure equally often: for
+        optimizers that decide that from the loss (LBFGS's line search), return a loss
+        averaged over ranks (``rm.allreduce``) from the closure.
+        """
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
                               "optimizer.skip_synchronize(): the gradients are reduced twice. Wrap "
                               "step() in `with optimizer.skip_synchronize():`", stacklevel=2)
-            self.synchronize()
+            if closure is None:
+                self.synchronize()
+            else:
+                closure = self._synchronizing(closure)
         self._synchronized = False
-        return super(self._ringmaster_base, self).step(closure)
+        try:
+            return super(self._ringmaster_base, self).step(closure)
+        finally:
+            self._synchronized = False  # a closure synchronizes inside the step
+
+    def _synchronizing(self, closure):
+        def evaluate():
+            loss = closure()
+            self.synchronize()
+            return loss
+
+        return evaluate
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the gradients; refused while their allreduces are in flight."""
@@ -245,6 +266,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         if not callable(getattr(compression, method, None)):
             raise TypeError(f"compression={compression!r} has no {method}() method; pass ringmaster.Compression.none, "
                             f".fp16 or a class with static compress(tensor) and decompress(tensor, ctx)")
+    if "step" in vars(optimizer):
+        warnings.warn("this optimizer's step() was wrapped on the instance, usually by an LR scheduler "
+                      "created before DistributedOptimizer; that scheduler keeps driving the original "
+                      "optimizer. Create LR schedulers on the optimizer DistributedOptimizer returns",
+                      stacklevel=2)
     base = type(optimizer)
     cls = type(base.__name__, (base,), {name: value for name, value in vars(_DistributedOptimizer).items()
                                          if not name.startswith("__")})

@@ -170,6 +170,16 @@ report("object collectives work after a refused object", rm.allgather_object(RAN
 refuses("broadcast_parameters of a tensor", lambda: rm.broadcast_parameters(torch.ones(2), 0), ValueError,
         ["state_dict"])
 
+import warnings  # noqa: E402
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    early = sgd()
+    torch.optim.lr_scheduler.StepLR(early, step_size=1)
+    rm.DistributedOptimizer(early)
+report("an LR scheduler made before wrapping is warned about",
+       any("LR scheduler" in str(w.message) for w in caught), str([str(w.message) for w in caught]))
+
 optimizer = rm.DistributedOptimizer(sgd(), named_parameters=model.named_parameters())
 model(torch.randn(4, 5)).sum().backward()
 if SIZE > 1:

@@ -67,11 +67,17 @@ def shard(tensor):
     return tensor[RANK * BATCH:(RANK + 1) * BATCH]
 
 
-def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=None, scheduler=False, **options):
-    """Train ringmaster (shards) and the reference (whole batch) side by side; compare."""
+def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=None, scheduler=False,
+          tolerance=1e-5, **options):
+    """Train ringmaster (shards) and the reference (whole batch) side by side; compare.
+
+    ``options`` go to DistributedOptimizer; a callable ``groups`` is given the model.
+    """
     torch.manual_seed(1)
     model = Net(branch=branch_on_rank is not None)
     reference = copy.deepcopy(model)
+    if callable(options.get("groups")):
+        options["groups"] = options["groups"](model)
     optimizer = rm.DistributedOptimizer(make_optimizer(model.parameters()),
                                         named_parameters=model.named_parameters(), backward_passes_per_step=passes,
                                         **options)
@@ -107,10 +113,38 @@ def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=N
         reference_optimizer.step()
         for each in schedulers:
             each.step()
-    close(case, model, reference)
+    close(case, model, reference, tolerance)
     identical_across_ranks(case, model)
     report(f"{case}: frozen layer untouched", torch.equal(model.frozen.weight, reference.frozen.weight))
     return optimizer
+
+
+def train_with_closure():
+    """step(closure): the closure's backward is averaged before the optimizer uses it."""
+    torch.manual_seed(1)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer = rm.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters())
+    reference_optimizer = sgd(reference.parameters())
+    data = batches(seed=13)
+    for _ in range(STEPS):
+        x, y = next(data)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(shard(x)), shard(y))
+            loss.backward()
+            return loss
+
+        def reference_closure():
+            reference_optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(reference(x), y)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        reference_optimizer.step(reference_closure)
+    close("sgd step(closure)", model, reference)
 
 
 def sgd(params):
@@ -154,33 +188,8 @@ optimizer = train("sgd with StepLR", sgd, scheduler=True)
 report("StepLR halves the wrapped optimizer's lr", abs(optimizer.param_groups[0]["lr"] - 0.1 * 0.5 ** STEPS) < 1e-12)
 
 
-def grouped_by_list():
-    torch.manual_seed(1)
-    model = Net()
-    groups = [[model.body[0].weight, model.body[0].bias], [model.head.weight, model.body[2].weight]]
-    return model, groups
-
-
-# groups= as lists of parameters: build the model first so the groups can name its tensors.
-def train_with_list_groups():
-    model, groups = grouped_by_list()
-    reference = copy.deepcopy(model)
-    optimizer = rm.DistributedOptimizer(adam(model.parameters()), named_parameters=model.named_parameters(),
-                                        groups=groups)
-    reference_optimizer = adam(reference.parameters())
-    data = batches(seed=3)
-    for _ in range(STEPS):
-        x, y = next(data)
-        optimizer.zero_grad()
-        reference_optimizer.zero_grad()
-        nn.functional.cross_entropy(model(shard(x)), shard(y)).backward()
-        nn.functional.cross_entropy(reference(x), y).backward()
-        optimizer.step()
-        reference_optimizer.step()
-    close("adam groups=list of lists", model, reference)
-
-
-train_with_list_groups()
+train("adam groups=list of lists", adam, groups=lambda model: [[model.body[0].weight, model.body[0].bias],
+                                                                 [model.head.weight, model.body[2].weight]])
 
 
 def train_sparse(case, sparse_as_dense, groups=None):
@@ -209,28 +218,9 @@ train_sparse("sparse embedding gradient, sparse_as_dense", sparse_as_dense=True)
 train_sparse("sparse embedding gradient, sparse_as_dense, in a group", sparse_as_dense=True, groups=1)
 
 
-def fp16_compression():
-    torch.manual_seed(1)
-    model = Net()
-    reference = copy.deepcopy(model)
-    optimizer = rm.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters(),
-                                        compression=rm.Compression.fp16)
-    reference_optimizer = sgd(reference.parameters())
-    data = batches(seed=9)
-    for _ in range(STEPS):
-        x, y = next(data)
-        optimizer.zero_grad()
-        reference_optimizer.zero_grad()
-        nn.functional.cross_entropy(model(shard(x)), shard(y)).backward()
-        nn.functional.cross_entropy(reference(x), y).backward()
-        optimizer.step()
-        reference_optimizer.step()
-    close("Compression.fp16 (float16 rounding)", model, reference, tolerance=5e-3)
-    report("Compression.fp16 keeps gradients float32", all(p.grad.dtype == torch.float32 for p in model.parameters()
-                                                            if p.grad is not None))
-    identical_across_ranks("Compression.fp16", model)
-
-
-fp16_compression()
+optimizer = train("Compression.fp16 (float16 rounding)", sgd, compression=rm.Compression.fp16, tolerance=5e-3)
+report("Compression.fp16 keeps gradients float32", all(p.grad.dtype == torch.float32 for group in optimizer.param_groups
+                                                        for p in group["params"] if p.grad is not None))
+train_with_closure()
 print(f"DONE {cases} cases, {failures} failures", flush=True)
 rm.shutdown()
