@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
@@ -49,8 +50,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         runtime()  # must be initialized
         # Outside its process set a rank trains alone: nothing to reduce, as with one rank.
         if process_set.included() and process_set.size() > 1:
-            for p in self._requires_update:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
+            hook = _weak_hook(self)
+            self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._requires_update]
+            # A discarded optimizer must not keep reducing its parameters' gradients.
+            weakref.finalize(self, _remove_hooks, list(self._hooks))
 
     # ------------------------------------------------------------------ hooks
     def _gradient_ready(self, p: torch.Tensor) -> None:
@@ -221,6 +224,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  "optimizer.step() or optimizer.synchronize(); the gradients are still "
                                  "being reduced. Call step() (or synchronize()) first")
         return super(self._ringmaster_base, self).zero_grad(set_to_none=set_to_none)
+
+
+def _weak_hook(optimizer: _DistributedOptimizer):
+    """A gradient hook that holds the optimizer weakly (parameters outlive their optimizers)."""
+    reference = weakref.ref(optimizer)
+
+    def gradient_ready(p: torch.Tensor) -> None:
+        live = reference()
+        if live is not None:
+            live._gradient_ready(p)
+
+    return gradient_ready
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,

@@ -179,6 +179,8 @@ with warnings.catch_warnings(record=True) as caught:
     rm.DistributedOptimizer(early)
 report("an LR scheduler made before wrapping is warned about",
        any("LR scheduler" in str(w.message) for w in caught), str([str(w.message) for w in caught]))
+# The optimizers made above were dropped: their hooks must not fire on the next backward
+# (with two live unnamed optimizers the same names would be submitted twice).
 
 optimizer = rm.DistributedOptimizer(sgd(), named_parameters=model.named_parameters())
 model(torch.randn(4, 5)).sum().backward()
