@@ -36,6 +36,8 @@ class Config:
         allreduce_algorithm: ``"auto"``, ``"ring"`` (ringmaster's ring) or ``"mpi"`` (MPI_Allreduce).
         log_level: Python logging level name for the ``ringmaster`` loggers.
         network_interface: the interface whose address the coordinator binds to and advertises.
+        background_nice: nice value of each rank's background thread (Linux): 19 (default)
+            lets it run only on cycles the training loop leaves; 0 gives it equal priority.
         timeline: record a timeline from ``init()`` to this path; ``{rank}`` in it is replaced
             by the rank, and without ``{rank}`` only rank 0 records.
     """
@@ -53,6 +55,7 @@ class Config:
     log_level: str = "WARNING"
     network_interface: Optional[str] = None
     timeline: Optional[str] = None
+    background_nice: int = 19
 
 
 # environment variable -> (Config field, parser)
@@ -78,6 +81,13 @@ def _nonnegative_int(value: str) -> int:
     number = int(value)
     if number < 0:
         raise ValueError("must be >= 0")
+    return number
+
+
+def _nice(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= 19:
+        raise ValueError("must be a whole number from 0 to 19")
     return number
 
 
@@ -116,6 +126,7 @@ ENVIRONMENT = {
     "RINGMASTER_LOG_LEVEL": ("log_level", _log_level),
     "RINGMASTER_NETWORK_INTERFACE": ("network_interface", _text),
     "RINGMASTER_TIMELINE": ("timeline", _timeline),
+    "RINGMASTER_BACKGROUND_NICE": ("background_nice", _nice),
 }
 
 

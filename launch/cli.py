@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how often an idle rank tells the coordinator it is alive (default 1)")
     tuning.add_argument("--heartbeat-timeout-s", type=_number(float, 0, False), metavar="S",
                         help="declare a rank dead after S seconds without a heartbeat (default 15)")
+    tuning.add_argument("--background-nice", type=_number(int, 0, True), metavar="N",
+                        help="nice value 0-19 of each rank's communication thread (default 19: it uses "
+                             "the cycles training leaves; 0: equal priority)")
     tuning.add_argument("--timeline-filename", metavar="PATH",
                         help="record a Chrome-tracing timeline of every tensor to PATH ({rank} in PATH: "
                              "one file per rank; otherwise rank 0's)")
@@ -202,7 +205,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         allreduce=args.allreduce, start_timeout_s=args.start_timeout,
         network_interface=args.network_interface, verbose=args.verbose,
         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
-        timeline_filename=args.timeline_filename,
+        timeline_filename=args.timeline_filename, background_nice=args.background_nice,
     )
     base_env = base_environment(environ, tuning)
     config = validated_config(base_env)

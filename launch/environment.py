@@ -36,6 +36,7 @@ def tuning_environment(
     heartbeat_interval_s: Optional[float] = None,
     heartbeat_timeout_s: Optional[float] = None,
     timeline_filename: Optional[str] = None,
+    background_nice: Optional[int] = None,
 ) -> Dict[str, str]:
     """The ``RINGMASTER_*`` variables for the tuning flags that were given (``None``: not given).
 
@@ -65,6 +66,8 @@ def tuning_environment(
         env["RINGMASTER_HEARTBEAT_TIMEOUT_S"] = _number(heartbeat_timeout_s)
     if timeline_filename is not None:
         env["RINGMASTER_TIMELINE"] = timeline_filename
+    if background_nice is not None:
+        env["RINGMASTER_BACKGROUND_NICE"] = str(background_nice)
     return env
 
 

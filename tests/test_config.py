@@ -16,6 +16,7 @@ def test_defaults_without_any_variable():
     ("RINGMASTER_TIMELINE", "/no/such/directory/t.json", ["RINGMASTER_TIMELINE", "does not exist"]),
     ("RINGMASTER_CYCLE_TIME", "-1", ["RINGMASTER_CYCLE_TIME", ">= 0"]),
     ("RINGMASTER_ALLREDUCE", "tree", ["RINGMASTER_ALLREDUCE", "auto, ring, mpi"]),
+    ("RINGMASTER_BACKGROUND_NICE", "25", ["RINGMASTER_BACKGROUND_NICE", "0 to 19"]),
 ])
 def test_bad_values_name_the_variable(variable, value, words):
     with pytest.raises(ConfigError) as caught:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import queue
+import sys
 import threading
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -99,10 +101,12 @@ class Executor:
         allreduce_algorithm: ``auto``, ``ring`` or ``mpi`` (see ``ringmaster.ops.allreduce``).
         on_join: called with the last joined rank when a JOIN completes.
         on_fatal: called with the error when this rank can no longer run collectives.
+        nice: the thread's nice value (0: as the training loop; 19: only on spare cycles).
     """
 
     def __init__(self, comm, table: TensorTable, allreduce_algorithm: str,
-                 on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None]):
+                 on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0):
+        self.nice = nice
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -149,6 +153,7 @@ class Executor:
 
     # ------------------------------------------------------------------ loop
     def _run(self) -> None:
+        _lower_this_threads_priority(self.nice)
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -414,6 +419,22 @@ class Executor:
 
 def _in_set(response: pb.Response) -> str:
     return f" in process set {response.process_set_id}" if response.process_set_id else ""
+
+
+def _lower_this_threads_priority(nice: int) -> None:
+    """Give the calling thread this nice value (Linux; never raises its priority).
+
+    The background thread then runs on the cycles the training loop leaves: on a machine
+    with a core per rank, a thread of equal priority preempts the backward pass of the
+    rank, and the overlap it buys costs more than it saves (see docs/benchmarks.md).
+    """
+    if not nice or not sys.platform.startswith("linux"):
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, max(nice, os.getpriority(os.PRIO_PROCESS, thread)))
+    except OSError as error:  # e.g. a sandbox that forbids it: run at normal priority
+        log.debug("could not lower the background thread's priority: %s", error)
 
 
 def reducescatter_rows(first_dim: int, size: int) -> List[int]:

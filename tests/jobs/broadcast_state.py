@@ -190,6 +190,12 @@ if SIZE > 1:
             lambda: model(torch.randn(4, 5)).sum().backward(), AssertionError, ["backward_passes_per_step"])
 optimizer.step()
 optimizer.zero_grad()
+import os  # noqa: E402
+import threading  # noqa: E402
+
+background = next(thread for thread in threading.enumerate() if thread.name == "ringmaster-background")
+report("the background thread runs at nice 19 (RINGMASTER_BACKGROUND_NICE's default)",
+       os.getpriority(os.PRIO_PROCESS, background.native_id) == 19)
 report("build queries answer for ringmaster", rm.mpi_built() and rm.mpi_enabled() and not rm.gloo_built()
        and not rm.nccl_built() and not rm.cuda_built())
 
