@@ -3,7 +3,7 @@
 Under ringrun/mpirun, output reaches the terminal through MPI's forwarding, which passes it
 on a whole line at a time, so a bar redrawn with carriage returns would only show up at
 the end. Through a pipe the bar is therefore printed as one line per update (at most one
-a second) instead.
+a second, starting after the first second) instead.
 """
 
 import sys
@@ -33,4 +33,4 @@ def progress_bar(iterable, description, total=None):
     if sys.stderr.isatty():
         return tqdm(iterable, desc=description, total=total, disable=rm.rank() != 0, leave=False)
     return tqdm(iterable, desc=description, total=total, disable=rm.rank() != 0, leave=False,
-                file=LineProgress(sys.stderr), mininterval=1.0, ascii=True, ncols=80)
+                file=LineProgress(sys.stderr), mininterval=1.0, delay=1.0, ascii=True, ncols=80)
