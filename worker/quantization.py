@@ -1,0 +1,282 @@
+"""8-bit gradient codecs: the dynamic tree and linear data types of Dettmers, "8-Bit
+Approximations for Parallelism in Deep Learning" (ICLR 2016).
+
+Both types store one byte per element plus the tensor's absolute maximum ``absmax``:
+elements are divided by ``absmax`` (so they lie in [-1, 1]), each is replaced by the code
+of the nearest of 256 values, and decoding multiplies the code's value by ``absmax``.
+
+Byte layout (bit 7 is the most significant bit)::
+
+    bit 7      sign: 1 = negative
+    bits 6..0  7-bit magnitude code c; c = 0..127 indexes a sorted table of 128 values
+
+Dynamic tree magnitude (``dynamic_tree_values()``), bits 6..0 read left to right:
+``n`` zero bits (n = 0..6), a 1 *flag* bit, then ``k = 6 - n`` *tree* bits. The zeros give
+the decimal exponent 10^-n; the tree bits walk a bisection of the interval [0.1, 1] (a
+0 bit keeps the lower half, a 1 bit the upper half), so that after k bits, read as the
+integer j, the interval left is [0.1 + 0.9 j / 2^k, 0.1 + 0.9 (j+1) / 2^k]. The code's
+value is that interval's upper end, scaled by the exponent::
+
+    value(n, j) = 10^-n * (0.1 + 0.9 * (j + 1) / 2^k)          code c = 2^k + j
+
+The 7-bit code with no flag bit, 0000000, is zero. (The paper leaves open which point of
+the final interval a code stands for; the upper end makes 1.0 representable and joins the
+decades without gaps or duplicates.) So code 0b1111111 is exactly 1.0 (the
+element equal to ``absmax`` is decoded exactly), code 0b0000001 (n = 6, no tree bits) is
+10^-6, the smallest non-zero magnitude, and each decade's values continue the grid of the
+decade below (the bottom end 10^-n * 0.1 of decade n is the top value of decade n + 1).
+The 128 values are therefore distinct and strictly increasing in code order: the 7-bit
+code of a magnitude is its index in the sorted table. Decade n holds 2^(6-n) values:
+64 in (0.1, 1], 32 in (0.01, 0.1], ..., 1 in (1e-7, 1e-6], and zero.
+
+Linear magnitude (``linear8_values()``): ``c / 127``, 127 levels per sign plus zero.
+
+Rounding: ``absmax`` is the largest magnitude rounded to float32; each element, divided
+by it in float32, becomes the nearest table value, and one exactly halfway between two
+becomes the smaller; the sign bit is the element's own (``torch.signbit``). So magnitudes
+up to 5e-7 * absmax (tree) or absmax / 254 (linear) decode to zero, as code 0x00 (+0.0)
+or, for negative elements, 0x80 (-0.0). These two are the only codes of equal value, so
+``encode(decode(c)) == c`` for all 256 codes. The search is ``nearest_codes`` (a binary
+search among the midpoints); the encoder runs it once per float32 bit-pattern cell, when
+it builds its tables, and per element looks the cell up and makes one comparison.
+
+Wire format (``pack``/``unpack``): ``absmax`` as 4 bytes of float32 in native byte order,
+then the codes, one byte per element in row-major order.
+
+Non-finite input (NaN or ±Inf anywhere) raises ``ValueError``: the absmax would be Inf
+or NaN and every element would decode to garbage. Encoding therefore reads one scalar
+back from the device (a synchronization on CUDA). A tensor of zeros has absmax 0 and
+decodes to exact zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ringmaster.worker.compression import Compressor
+
+#: Bytes in front of the codes in a packed buffer: ``absmax`` as float32.
+HEADER_BYTES = 4
+
+#: The input dtypes the codecs take; the arithmetic is done in float32.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# The fast encoder looks up each float32's top 16 bits (sign, exponent, 7 mantissa bits).
+_CELL_SHIFT = 16
+_CELLS = 1 << 16
+_SIGN = 0x80
+
+
+def dynamic_tree_values() -> torch.Tensor:
+    """The 128 non-negative dynamic tree values, indexed by 7-bit code (float64, sorted)."""
+    values = [0.0]
+    for n in range(6, -1, -1):  # 6 leading zeros (smallest decade) first: code order
+        steps = 2 ** (6 - n)
+        values += [10.0 ** -n * (0.1 + 0.9 * (j + 1) / steps) for j in range(steps)]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def linear8_values() -> torch.Tensor:
+    """The 128 non-negative linear values ``c / 127``, indexed by 7-bit code (float64)."""
+    return torch.arange(128, dtype=torch.float64) / 127
+
+
+_VALUES = {"dynamic tree": dynamic_tree_values, "linear8": linear8_values}
+
+
+def midpoints(values: torch.Tensor) -> torch.Tensor:
+    """The 127 float32 decision boundaries halfway between consecutive sorted ``values``."""
+    values = values.to(torch.float64)
+    return ((values[1:] + values[:-1]) / 2).to(torch.float32)
+
+
+def nearest_codes(magnitudes: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The index of the nearest of the sorted ``values`` to each of ``magnitudes`` (int64).
+
+    A binary search (``torch.bucketize``) among the midpoints between consecutive values;
+    a magnitude exactly on a midpoint gets the lower index. This defines the encoding: the
+    encoder's per-element lookup is precomputed from it and gives the same codes.
+    """
+    boundaries = midpoints(values).to(magnitudes.device)
+    return torch.bucketize(magnitudes.to(torch.float32), boundaries)
+
+
+class _Tables(NamedTuple):
+    decode: torch.Tensor     # 256 float32 values, indexed by code (sign bit included)
+    cell_code: torch.Tensor  # 65536 uint8: the code of the smallest float in each cell
+    threshold: torch.Tensor  # 65536 int32: float32 bits above which a cell's code is one more
+
+
+@functools.cache
+def _tables(kind: str, device: torch.device) -> _Tables:
+    """Decode and encode tables of a data type, built once per device.
+
+    Encoding looks up ``key`` = the top 16 bits of a normalized float32 (its *cell*). No
+    cell spans more than one midpoint (cells are at most 2^-7 of their value wide; the
+    tables' relative steps are wider), so a cell's code is that of its smallest float,
+    plus one where the float is above the midpoint in the cell: exactly ``nearest_codes``,
+    as a table lookup and one comparison instead of a branchy binary search per element.
+    Negative floats have the sign bit in their key, and compare as int32 bit patterns the
+    way their magnitudes do.
+    """
+    values = _VALUES[kind]()
+    magnitude_keys = torch.arange(_CELLS // 2, dtype=torch.int64)
+    lowest = (magnitude_keys << _CELL_SHIFT).to(torch.int32).view(torch.float32)
+    highest = ((magnitude_keys << _CELL_SHIFT) | 0xFFFF).to(torch.int32).view(torch.float32)
+    low_code = nearest_codes(torch.nan_to_num(lowest, nan=float("inf")), values)
+    high_code = nearest_codes(torch.nan_to_num(highest, nan=float("inf")), values)
+    if int((high_code - low_code).max()) > 1:
+        raise RuntimeError(f"the {kind} table is too fine for {_CELL_SHIFT}-bit cells")
+    boundaries = torch.cat([midpoints(values), torch.tensor([float("inf")])])
+    threshold = boundaries[low_code].view(torch.int32)
+    sign_bits = torch.tensor(-(1 << 31), dtype=torch.int32)
+    decode = values.to(torch.float32)
+    return _Tables(
+        decode=torch.cat([decode, -decode]).to(device),
+        cell_code=torch.cat([low_code, low_code | _SIGN]).to(torch.uint8).to(device),
+        threshold=torch.cat([threshold, threshold | sign_bits]).to(device),
+    )
+
+
+def _check_floating(tensor: torch.Tensor, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(dtype).replace("torch.", "") for dtype in SUPPORTED_DTYPES)
+        raise TypeError(f"{what} takes a {names} tensor, got {tensor.dtype}")
+
+
+def _absmax(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of ``flat`` (``tensor`` as float32) as a float32 0-d tensor."""
+    if flat.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=flat.device)
+    low, high = torch.aminmax(flat)
+    absmax = torch.maximum(low.abs(), high.abs())  # never -0.0
+    if not bool(torch.isfinite(absmax)):
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise ValueError(
+                f"cannot quantize a tensor with {bad} non-finite element(s) (NaN or Inf) of "
+                f"{tensor.numel()}: check for exploding gradients (clip gradients, lower the "
+                f"learning rate) or, in mixed precision, use loss scaling")
+        raise ValueError(f"cannot quantize a tensor whose largest magnitude "
+                         f"{float(tensor.abs().max()):g} exceeds the float32 range of the 8-bit header")
+    return absmax
+
+
+def _encode(tensor: torch.Tensor, kind: str, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_floating(tensor, what)
+    flat = tensor.detach().reshape(-1).to(torch.float32)
+    absmax = _absmax(flat, tensor)
+    tables = _tables(kind, flat.device)
+    bits = (flat / torch.where(absmax > 0, absmax, 1.0)).view(torch.int32)
+    keys = (bits >> _CELL_SHIFT).bitwise_and_(_CELLS - 1)
+    codes = torch.index_select(tables.cell_code, 0, keys)
+    codes += bits > torch.index_select(tables.threshold, 0, keys)
+    return codes.reshape(tensor.shape), absmax
+
+
+def _decode(codes: torch.Tensor, absmax, dtype: torch.dtype, kind: str, what: str) -> torch.Tensor:
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        got = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
+        raise TypeError(f"{what} takes uint8 codes, got {got}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{what} decodes to float16, bfloat16, float32 or float64, not {dtype}")
+    scale = torch.as_tensor(absmax, dtype=torch.float32, device=codes.device)
+    if scale.numel() != 1:
+        raise ValueError(f"{what} takes one absmax, got a tensor of shape {tuple(scale.shape)}")
+    values = (_tables(kind, codes.device).decode * scale.reshape(())).to(dtype)
+    return torch.index_select(values, 0, codes.reshape(-1).to(torch.int32)).reshape(codes.shape)
+
+
+def encode_dynamic_tree(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``tensor`` in the dynamic tree type: ``(codes, absmax)``.
+
+    ``codes`` is a uint8 tensor of ``tensor``'s shape (see the module docstring for the
+    bit layout), ``absmax`` a float32 0-d tensor, both on ``tensor``'s device. Raises
+    ``ValueError`` if ``tensor`` has NaN or Inf elements.
+    """
+    return _encode(tensor, "dynamic tree", "encode_dynamic_tree")
+
+
+def decode_dynamic_tree(codes: torch.Tensor, absmax, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``dtype`` tensor of ``codes``' shape that ``encode_dynamic_tree`` approximated."""
+    return _decode(codes, absmax, dtype, "dynamic tree", "decode_dynamic_tree")
+
+
+def encode_linear8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``tensor`` in the linear type (sign bit, magnitude ``round(127 |x| / absmax)``).
+
+    Returns ``(codes, absmax)`` like :func:`encode_dynamic_tree`.
+    """
+    return _encode(tensor, "linear8", "encode_linear8")
+
+
+def decode_linear8(codes: torch.Tensor, absmax, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``dtype`` tensor of ``codes``' shape that ``encode_linear8`` approximated."""
+    return _decode(codes, absmax, dtype, "linear8", "decode_linear8")
+
+
+def pack(codes: torch.Tensor, absmax) -> torch.Tensor:
+    """One flat uint8 buffer: ``absmax`` as 4 float32 bytes, then the codes (row-major)."""
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise TypeError("pack takes uint8 codes")
+    header = torch.as_tensor(absmax, dtype=torch.float32, device=codes.device).reshape(1)
+    return torch.cat([header.view(torch.uint8), codes.reshape(-1)])
+
+
+def unpack(buffer: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a :func:`pack` buffer of ``numel`` codes into ``(flat codes, absmax)``.
+
+    The codes are a view of ``buffer``; reshape them to the original shape.
+    """
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise TypeError("unpack takes a 1-d uint8 tensor made by pack")
+    if buffer.numel() != HEADER_BYTES + numel:
+        raise ValueError(f"a packed buffer of {numel} codes has {HEADER_BYTES + numel} bytes, "
+                         f"this one has {buffer.numel()}")
+    absmax = buffer[:HEADER_BYTES].clone().view(torch.float32).reshape(())
+    return buffer[HEADER_BYTES:], absmax
+
+
+class Int8Compressor(Compressor):
+    """Sends floating-point tensors as dynamic tree bytes: 1 byte per element plus 4.
+
+    ``compress`` returns the packed uint8 buffer and ``ctx = (numel, shape, dtype)``;
+    ``decompress`` restores shape and dtype. Non-floating tensors travel as they are.
+    """
+
+    @staticmethod
+    def compress(tensor):
+        if not tensor.dtype.is_floating_point:
+            return tensor, None
+        return pack(*encode_dynamic_tree(tensor)), (tensor.numel(), tensor.shape, tensor.dtype)
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        if ctx is None:
+            return tensor
+        numel, shape, dtype = ctx
+        codes, absmax = unpack(tensor, numel)
+        return decode_dynamic_tree(codes, absmax, dtype).reshape(shape)
+
+
+class Linear8Compressor(Compressor):
+    """Sends floating-point tensors as linear8 bytes; otherwise as :class:`Int8Compressor`."""
+
+    @staticmethod
+    def compress(tensor):
+        if not tensor.dtype.is_floating_point:
+            return tensor, None
+        return pack(*encode_linear8(tensor)), (tensor.numel(), tensor.shape, tensor.dtype)
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        if ctx is None:
+            return tensor
+        numel, shape, dtype = ctx
+        codes, absmax = unpack(tensor, numel)
+        return decode_linear8(codes, absmax, dtype).reshape(shape)
