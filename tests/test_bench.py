@@ -39,3 +39,23 @@ def test_training_benchmark_prints_its_table_and_a_trace():
     # One traced step per model and rank, read from ringmaster's timeline.
     assert result.stdout.count("first allreduce") == 4, result.stdout
     assert len(re.findall(r"\d+ of \d+ allreduces started before backward ended", result.stdout)) == 4, result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_quantize_benchmark_prints_its_table():
+    result = run_command([sys.executable, str(BENCH / "quantize.py"), "--sizes", "4K", "--reps", "2",
+                          "--threads", "1,all"], timeout=50, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    for codec in ("float32 copy_", "dynamic tree", "linear8", "dynamic tree, bucketize"):
+        assert re.search(rf"^ +4K +1  {codec} ", result.stdout, re.MULTILINE), result.stdout
+    assert "timing 4K elements" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_selection_benchmark_prints_its_table():
+    result = run_command([sys.executable, str(BENCH / "selection.py"), "--sizes", "4K,64K", "--reps", "1",
+                          "--threads", "1,all"], timeout=50, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    for method in ("torch.topk", "trimmed top-k", "threshold, search", "threshold, reuse", "sampled search"):
+        assert re.search(rf"^ +64 Ki \| +1 \| {method} +\|", result.stdout, re.MULTILINE), result.stdout
+    assert "64 Ki, 1 thread(s): repetition 1/1" in result.stderr
