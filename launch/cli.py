@@ -2,6 +2,9 @@
 
 ``ringrun -np 4 -H host1:2,host2:2 python train.py --lr 0.1``
 
+Inside a SLURM allocation, without ``-H``/``--hostfile``, the hosts and slots come from
+SLURM's variables and ``-np`` defaults to ``SLURM_NTASKS`` (see :mod:`.slurm`).
+
 Steps: parse and check everything (hosts, slots, the script, MPI) before starting anything;
 start the job's coordinator daemon with a fresh secret; run ``mpirun`` with the coordinator's
 address and the secret in the ranks' environment; relay rank-tagged output; forward
@@ -27,12 +30,13 @@ from .coordinator_process import CoordinatorProcess
 from .environment import (base_environment, coordinator_environment, exported_names, job_environment,
                           tuning_environment, validated_config)
 from .errors import LaunchError
-from .hosts import all_local, check_slots, resolve_hosts, total_slots
+from .hosts import Host, all_local, check_slots, resolve_hosts, total_slots
 from .job import FORWARDED_SIGNALS, MpiJob
 from .mpi_command import (LaunchSpec, MpiImplementation, build_command, detect_mpi, find_mpirun,
                           hostfile_text, split_mpi_args)
 from .network import coordinator_address, interface_ipv4
 from .output import OutputRelay
+from .slurm import SlurmAllocation, slurm_allocation
 
 PROG = "ringrun"
 
@@ -42,6 +46,7 @@ examples:
   ringrun -np 8 -H node1:4,node2:4 --network-interface eth0 python train.py
   ringrun -np 8 --hostfile hosts.txt --output-filename logs/ python train.py
   (hostfile: one 'host slots=N' per line, '#' starts a comment)
+  ringrun python train.py        (in an sbatch script: hosts and -np from SLURM)
 """
 
 
@@ -80,11 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     job = parser.add_argument_group("job")
     job.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N",
-                     help="number of processes (default: every slot of -H/--hostfile)")
+                     help="number of processes (default: every slot of -H/--hostfile; in a SLURM "
+                          "allocation, SLURM_NTASKS)")
     where = job.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
-                       help="hosts and their slots, e.g. node1:4,node2:4 (default: this host, "
-                            "one slot per CPU)")
+                       help="hosts and their slots, e.g. node1:4,node2:4 (default: the SLURM "
+                            "allocation's nodes and tasks, else this host, one slot per CPU)")
     where.add_argument("--hostfile", metavar="FILE", help="file with one 'host slots=N' per line")
     job.add_argument("--oversubscribe", action="store_true", help="allow more processes than slots")
     job.add_argument("--start-timeout", type=_number(float, 0, False), metavar="S",
@@ -177,6 +183,7 @@ class JobPlan:
     output_dir: Optional[str]
     hostfile_text: Optional[str]
     verbose: bool
+    hosts_origin: Optional[str] = None
 
 
 def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
@@ -185,13 +192,12 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
     Raises:
         LaunchError: for anything that would make the job fail to start.
     """
-    hosts = resolve_hosts(args.hosts, args.hostfile)
-    num_proc = args.num_proc
-    if num_proc is None:
-        if args.hosts is None and args.hostfile is None:
-            raise LaunchError("-np N is required (or give -H/--hostfile to use every slot)")
-        num_proc = total_slots(hosts)
-    check_slots(num_proc, hosts, args.oversubscribe)
+    explicit_hosts = args.hosts is not None or args.hostfile is not None
+    allocation = None if explicit_hosts else slurm_allocation(environ)
+    hosts = resolve_hosts(args.hosts, args.hostfile, allocation)
+    num_proc = args.num_proc if args.num_proc is not None else _default_num_proc(hosts, allocation,
+                                                                                  explicit_hosts)
+    check_slots(num_proc, hosts, args.oversubscribe, allocation)
     check_command(args.command, local_only=all_local(hosts))
     if args.ssh_identity_file is not None and not os.path.isfile(args.ssh_identity_file):
         raise LaunchError(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
@@ -225,8 +231,19 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         coordinator_advertise=address.advertise, start_timeout=config.start_timeout_s,
         spec=spec, mpi=mpi, output_dir=_output_dir(args.output_filename),
         hostfile_text=hostfile_text(mpi.kind, hosts) if args.hostfile is not None else None,
-        verbose=args.verbose,
+        verbose=args.verbose, hosts_origin=allocation.describe() if allocation is not None else None,
     )
+
+
+def _default_num_proc(hosts: Sequence[Host], allocation: Optional[SlurmAllocation],
+                      explicit_hosts: bool) -> int:
+    """``-np`` when it was not given: ``SLURM_NTASKS`` (else every slot) in an allocation,
+    every slot of ``-H``/``--hostfile``; on this machine alone it is required."""
+    if allocation is not None and allocation.ntasks is not None:
+        return allocation.ntasks
+    if allocation is None and not explicit_hosts:
+        raise LaunchError("-np N is required (or give -H/--hostfile to use every slot)")
+    return total_slots(hosts)
 
 
 def run_job(plan: JobPlan) -> int:
@@ -244,6 +261,9 @@ def run_job(plan: JobPlan) -> int:
             with open(plan.spec.hostfile, "w", encoding="utf-8") as handle:
                 handle.write(plan.hostfile_text)
         command = build_command(plan.mpi, plan.spec)
+        if plan.verbose and plan.hosts_origin is not None:
+            hosts = ",".join(str(host) for host in plan.spec.hosts)
+            print(f"{PROG}: hosts {hosts} from {plan.hosts_origin}", file=sys.stderr)
         if plan.verbose:
             print(f"{PROG}: starting the coordinator: {shlex.join(coordinator.command())}", file=sys.stderr)
         coordinator_addr = coordinator.start()

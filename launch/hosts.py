@@ -1,8 +1,8 @@
 """Where the ranks run: ``-H host:slots,...``, hostfiles, slot checks, "is this host local".
 
 All host sources end as a list of :class:`Host`. :func:`resolve_hosts` is the one place that
-picks the source; a SLURM allocation (``SLURM_JOB_NODELIST`` / ``SLURM_TASKS_PER_NODE``)
-will be one more branch there, returning the same list.
+picks the source: ``-H``, ``--hostfile``, a SLURM allocation (read by :mod:`.slurm`), or
+this machine.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import ipaddress
 import os
 import socket
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence
 
 from .errors import LaunchError
+
+if TYPE_CHECKING:  # slurm.py imports Host from here
+    from .slurm import SlurmAllocation
 
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
 
@@ -106,10 +109,11 @@ def default_hosts() -> List[Host]:
     return [Host("localhost", os.cpu_count() or 1)]
 
 
-def resolve_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Host]:
-    """The job's hosts from ``-H`` or ``--hostfile`` (at most one), else :func:`default_hosts`.
-
-    This is the seam for scheduler allocations: SLURM support adds a branch here.
+def resolve_hosts(hosts: Optional[str], hostfile: Optional[str],
+                  allocation: Optional["SlurmAllocation"] = None) -> List[Host]:
+    """The job's hosts: from ``-H`` or ``--hostfile`` (at most one), else from the SLURM
+    ``allocation`` ringrun runs in (see :func:`.slurm.slurm_allocation`), else
+    :func:`default_hosts`. An explicit ``-H``/``--hostfile`` wins over the allocation.
     """
     if hosts is not None and hostfile is not None:
         raise LaunchError("give either -H/--hosts or --hostfile, not both")
@@ -117,6 +121,8 @@ def resolve_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Host]:
         return parse_hosts(hosts)
     if hostfile is not None:
         return parse_hostfile(hostfile)
+    if allocation is not None:
+        return allocation.hosts()
     return default_hosts()
 
 
@@ -125,8 +131,12 @@ def total_slots(hosts: Sequence[Host]) -> int:
     return sum(host.slots for host in hosts)
 
 
-def check_slots(num_proc: int, hosts: Sequence[Host], oversubscribe: bool) -> None:
+def check_slots(num_proc: int, hosts: Sequence[Host], oversubscribe: bool,
+                allocation: Optional["SlurmAllocation"] = None) -> None:
     """Refuse more ranks than slots unless ``oversubscribe``.
+
+    ``allocation``: the SLURM allocation the hosts came from, if they did (the message then
+    names its variables and how to ask SLURM for more).
 
     Raises:
         LaunchError: naming ``num_proc``, the slot total and the fixes.
@@ -135,11 +145,23 @@ def check_slots(num_proc: int, hosts: Sequence[Host], oversubscribe: bool) -> No
         raise LaunchError(f"-np must be at least 1, got {num_proc}")
     available = total_slots(hosts)
     if num_proc > available and not oversubscribe:
-        listed = ",".join(str(host) for host in hosts)
+        listed = _abbreviated(hosts)
+        if allocation is not None:
+            raise LaunchError(
+                f"-np {num_proc} needs more slots than the {available} of the SLURM allocation "
+                f"({listed}; {allocation.describe()}); add --oversubscribe, lower -np, or ask "
+                f"SLURM for more tasks (sbatch --ntasks/--ntasks-per-node)"
+            )
         raise LaunchError(
             f"-np {num_proc} needs more slots than the {available} available ({listed}); "
             f"add --oversubscribe, lower -np, or list more slots with -H/--hostfile"
         )
+
+
+def _abbreviated(hosts: Sequence[Host], limit: int = 8) -> str:
+    """``a:2,b:2`` for a message; past ``limit`` hosts, the first few and how many more."""
+    listed = ",".join(str(host) for host in hosts[:limit])
+    return listed if len(hosts) <= limit else f"{listed},... ({len(hosts)} hosts)"
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,9 +1,14 @@
 """Find ``mpirun``, tell Open MPI from MPICH, and build the command line for either.
 
 The command carries variable names only (``-x NAME`` / ``-genvlist``), never values, so
-nothing secret appears in it. A scheduler launcher (``srun`` under SLURM) would be one more
-builder next to :func:`openmpi_command` and :func:`mpich_command`, chosen in
-:func:`build_command`.
+nothing secret appears in it.
+
+Inside a SLURM allocation the hosts come from SLURM (:mod:`.slurm`) and are passed like any
+others (``-H`` / ``-hosts``): explicit, and the same for both MPIs. ``mpirun`` itself still
+sees the allocation in its environment: Open MPI built with SLURM support, and MPICH's
+Hydra, then start their daemons on the other nodes through ``srun`` instead of ssh. A
+``srun`` launcher of ringrun's own would be one more builder next to :func:`openmpi_command`
+and :func:`mpich_command`, chosen in :func:`build_command`.
 """
 
 from __future__ import annotations
