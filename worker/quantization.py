@@ -242,41 +242,41 @@ def unpack(buffer: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor
     return buffer[HEADER_BYTES:], absmax
 
 
-class Int8Compressor(Compressor):
-    """Sends floating-point tensors as dynamic tree bytes: 1 byte per element plus 4.
+class _EightBitCompressor(Compressor):
+    """Packs floating-point tensors as 1 byte per element plus the 4-byte absmax header.
 
     ``compress`` returns the packed uint8 buffer and ``ctx = (numel, shape, dtype)``;
     ``decompress`` restores shape and dtype. Non-floating tensors travel as they are.
+    Subclasses name their codec's encode and decode functions.
     """
 
-    @staticmethod
-    def compress(tensor):
+    _encode = None
+    _decode = None
+
+    @classmethod
+    def compress(cls, tensor):
         if not tensor.dtype.is_floating_point:
             return tensor, None
-        return pack(*encode_dynamic_tree(tensor)), (tensor.numel(), tensor.shape, tensor.dtype)
+        return pack(*cls._encode(tensor)), (tensor.numel(), tensor.shape, tensor.dtype)
 
-    @staticmethod
-    def decompress(tensor, ctx):
+    @classmethod
+    def decompress(cls, tensor, ctx):
         if ctx is None:
             return tensor
         numel, shape, dtype = ctx
         codes, absmax = unpack(tensor, numel)
-        return decode_dynamic_tree(codes, absmax, dtype).reshape(shape)
+        return cls._decode(codes, absmax, dtype).reshape(shape)
 
 
-class Linear8Compressor(Compressor):
-    """Sends floating-point tensors as linear8 bytes; otherwise as :class:`Int8Compressor`."""
+class Int8Compressor(_EightBitCompressor):
+    """Sends floating-point tensors as dynamic tree bytes."""
 
-    @staticmethod
-    def compress(tensor):
-        if not tensor.dtype.is_floating_point:
-            return tensor, None
-        return pack(*encode_linear8(tensor)), (tensor.numel(), tensor.shape, tensor.dtype)
+    _encode = staticmethod(encode_dynamic_tree)
+    _decode = staticmethod(decode_dynamic_tree)
 
-    @staticmethod
-    def decompress(tensor, ctx):
-        if ctx is None:
-            return tensor
-        numel, shape, dtype = ctx
-        codes, absmax = unpack(tensor, numel)
-        return decode_linear8(codes, absmax, dtype).reshape(shape)
+
+class Linear8Compressor(_EightBitCompressor):
+    """Sends floating-point tensors as linear8 bytes."""
+
+    _encode = staticmethod(encode_linear8)
+    _decode = staticmethod(decode_linear8)
