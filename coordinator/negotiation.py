@@ -35,6 +35,10 @@ JOINABLE = (pb.ALLREDUCE, pb.ALLGATHER, pb.BARRIER)
 
 GLOBAL_SET = 0
 
+#: Wire formats an allreduce may ask for (``TensorRequest.compression``); "" sends as is.
+WIRE_COMPRESSIONS = ("", "int8", "linear8")
+FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
 
 class ProcessSetInfo(NamedTuple):
     """The members of one registered process set."""
@@ -240,11 +244,14 @@ class Negotiator:
             return self._remove_set(entry.name, first)
         set_id = entry.process_set_id
         members = self._sets[set_id].ranks
+        problem = _compression_problem(first)
+        if problem:
+            return _error_response(entry.name, pb.INVALID_REQUEST, problem, set_id)
         response = pb.Response(
             op_type=op, reduce_op=first.reduce_op, names=[entry.name], dtype=first.dtype,
             device=first.device, root_rank=first.root_rank,
             prescale_factor=first.prescale_factor, postscale_factor=first.postscale_factor,
-            joined_ranks=joined, process_set_id=set_id,
+            joined_ranks=joined, process_set_id=set_id, compression=first.compression,
         )
         response.shapes.add(dims=first.shape)
         if op == pb.ALLGATHER:
@@ -314,6 +321,7 @@ class Negotiator:
             checks.append(("reduction op", lambda r: REDUCE_NAMES[r.reduce_op]))
             checks.append(("prescale_factor", lambda r: r.prescale_factor))
             checks.append(("postscale_factor", lambda r: r.postscale_factor))
+            checks.append(("compression", lambda r: r.compression or "none"))
         if op == pb.BROADCAST:
             checks.append(("root_rank", lambda r: r.root_rank))
         if op == pb.PROCESS_SET_ADD:
@@ -380,7 +388,8 @@ def fuse_responses(responses: Sequence[pb.Response], threshold_bytes: int) -> Li
             continue
         nbytes = tensor_bytes(response)
         kind = (response.process_set_id, response.dtype, response.device, response.reduce_op,
-                response.prescale_factor, response.postscale_factor, tuple(response.joined_ranks))
+                response.prescale_factor, response.postscale_factor, tuple(response.joined_ranks),
+                response.compression)
         bucket = open_buckets.get(kind)
         if bucket is not None and bucket[1] + nbytes <= threshold_bytes:
             target, total = bucket
@@ -393,6 +402,22 @@ def fuse_responses(responses: Sequence[pb.Response], threshold_bytes: int) -> Li
         fused.append(copy)
         open_buckets[kind] = (copy, nbytes)
     return fused
+
+
+def _compression_problem(request: pb.TensorRequest) -> Optional[str]:
+    """Why the request's wire format cannot be used, or None."""
+    if not request.compression:
+        return None
+    what = f"{OP_NAMES[request.op_type]} '{request.name}' with compression '{request.compression}'"
+    if request.compression not in WIRE_COMPRESSIONS:
+        return f"{what}: unknown wire format; use one of {', '.join(c for c in WIRE_COMPRESSIONS if c)}"
+    if request.op_type != pb.ALLREDUCE:
+        return f"{what}: 8-bit wire formats apply to allreduce only"
+    if request.reduce_op not in (pb.SUM, pb.AVERAGE):
+        return f"{what}: 8-bit wire formats reduce with Sum or Average, not {REDUCE_NAMES[request.reduce_op]}"
+    if request.dtype not in FLOATING_DTYPES:
+        return f"{what}: 8-bit wire formats take floating-point tensors, not {request.dtype}"
+    return None
 
 
 def tensor_bytes(response: pb.Response) -> int:

@@ -6,6 +6,7 @@ matching arguments, in the same order, as with MPI itself.
 * :func:`allreduce` — in place; the ring or MPI_Allreduce, by measured message size.
 * :func:`ring_allreduce` — the pipelined ring (scatter-reduce + allgather), in place.
 * :func:`mpi_allreduce` — ``MPI_Allreduce(MPI_IN_PLACE, ...)``.
+* :func:`quantized_ring_allreduce` — the ring moving a codec's 8-bit encoding (float32).
 * :func:`allgatherv`, :func:`broadcast`, :func:`alltoallv`, :func:`reducescatter`.
 
 Supported dtypes: float16, float32, float64, int32, int64, uint8, bool; ops: "sum",
@@ -15,6 +16,7 @@ Supported dtypes: float16, float32, float64, int32, int64, uint8, bool; ops: "su
 from .allreduce import allreduce, choose_algorithm
 from .dtypes import SUPPORTED_DTYPES, SUPPORTED_OPS
 from .mpi_collectives import allgatherv, alltoallv, broadcast, mpi_allreduce, reducescatter
+from .quantized_ring import quantized_ring_allreduce
 from .ring import ring_allreduce
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "broadcast",
     "choose_algorithm",
     "mpi_allreduce",
+    "quantized_ring_allreduce",
     "reducescatter",
     "ring_allreduce",
 ]

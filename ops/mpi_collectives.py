@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from . import _checks
+from . import _checks, traffic
 from .dtypes import mpi_datatype, mpi_reduction
 from .waiting import wait
 
@@ -53,6 +53,8 @@ def mpi_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", source: n
             np.copyto(buffer, source)
         return buffer
     reduction = mpi_reduction(buffer.dtype, op)
+    size = comm.Get_size()
+    traffic.record("mpi_allreduce", 2 * (size - 1) * buffer.nbytes // size)
     if reduction.cast:
         wide = (buffer if source is None else source).astype(reduction.dtype)
         _allreduce(comm, MPI.IN_PLACE, [wide, reduction.datatype], reduction.op)
@@ -101,6 +103,7 @@ def allgatherv(comm: MPI.Comm, sendbuf: np.ndarray, counts) -> np.ndarray:
                          f"2**31-1 limit; gather in parts")
     recvbuf = np.empty(total, sendbuf.dtype)
     datatype = mpi_datatype(sendbuf.dtype)
+    traffic.record("allgather", sendbuf.nbytes * (comm.Get_size() - 1))
     comm.Allgatherv([sendbuf, datatype], [recvbuf, (counts, _displacements(counts)), datatype])
     return recvbuf
 
@@ -115,6 +118,8 @@ def broadcast(comm: MPI.Comm, buffer: np.ndarray, root: int = 0) -> np.ndarray:
     _checks.check_array(buffer, "buffer", name, writable=True)
     _checks.check_root(root, comm, name)
     _check_addressable(buffer, "buffer", name)
+    if comm.Get_rank() == root:
+        traffic.record("broadcast", buffer.nbytes)
     comm.Bcast([buffer, mpi_datatype(buffer.dtype)], root=root)
     return buffer
 
@@ -141,6 +146,7 @@ def alltoallv(comm: MPI.Comm, sendbuf: np.ndarray, sendcounts, recvcounts) -> np
         raise ValueError(f"{name}: recvcounts sum to {total}, more than MPI's 2**31-1 limit")
     recvbuf = np.empty(total, sendbuf.dtype)
     datatype = mpi_datatype(sendbuf.dtype)
+    traffic.record("alltoall", (int(np.sum(sendcounts)) - int(sendcounts[comm.Get_rank()])) * sendbuf.itemsize)
     comm.Alltoallv([sendbuf, (sendcounts, _displacements(sendcounts)), datatype],
                    [recvbuf, (recvcounts, _displacements(recvcounts)), datatype])
     return recvbuf
@@ -173,6 +179,7 @@ def reducescatter(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", counts=No
     reduction = mpi_reduction(buffer.dtype, op)
     source = buffer.astype(reduction.dtype) if reduction.cast else buffer.view(reduction.dtype)
     result = np.empty(mine, reduction.dtype)
+    traffic.record("reducescatter", (comm.Get_size() - 1) * buffer.nbytes // comm.Get_size())
     comm.Reduce_scatter([source, reduction.datatype], [result, reduction.datatype], counts, reduction.op)
     if reduction.cast:
         with np.errstate(over="ignore"):

@@ -29,7 +29,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from . import _checks
+from . import _checks, traffic
 from .dtypes import numpy_ufunc, scale_in_place
 from .waiting import wait, wait_all
 
@@ -244,3 +244,6 @@ def _run_ring(comm: MPI.Comm, buffer: np.ndarray, ufunc: np.ufunc, segment: int,
         if first_issued < everything:
             issue_first(index + 1 + SEND_WINDOW if index + 2 < first_step else everything)
     wait_all(sending.values())
+    # Every rank sends its first chunk plus every received segment it forwards.
+    forwarded = sum(hi - lo for lo, hi, _, forward, _ in receives if forward)
+    traffic.record("ring_allreduce", (forwarded + sum(hi - lo for lo, hi in first_sends)) * item)

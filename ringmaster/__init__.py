@@ -28,7 +28,7 @@ __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "RingmasterError", "TensorMismatchError", "RankFailedError", "StalledTensorError",
     "CoordinatorUnreachableError", "NotInitializedError", "HorovodInternalError",
-    "SyncBatchNorm", "start_timeline", "stop_timeline",
+    "SyncBatchNorm", "start_timeline", "stop_timeline", "bytes_sent",
 ]
 
 

@@ -56,6 +56,7 @@ def test_mismatched_shapes_give_one_error_naming_ranks_and_values():
     ("dtype", ("float32", "float64"), "dtype differs"),
     ("reduce_op", (pb.SUM, pb.MAX), "reduction op differs"),
     ("op", (pb.ALLREDUCE, pb.ALLGATHER), "operation differs"),
+    ("compression", ("int8", ""), "compression differs: rank 0: 'int8'; rank 1: 'none'"),
 ])
 def test_mismatch_in_any_field_is_reported(field, values, expected):
     negotiator = Negotiator(2)
@@ -118,6 +119,31 @@ def test_fusion_never_mixes_dtypes_or_ops():
     ]
     fused = fuse_responses(responses, 1 << 20)
     assert [list(r.names) for r in fused] == [["f32", "f32b"], ["f64"], ["max"]]
+
+
+def test_allreduces_fuse_only_with_the_same_wire_format():
+    responses = [pb.Response(op_type=pb.ALLREDUCE, names=[name], dtype="float32", reduce_op=pb.SUM,
+                             compression=compression, shapes=[pb.TensorShape(dims=[2])])
+                 for name, compression in [("a", "int8"), ("b", ""), ("c", "int8"), ("d", "linear8")]]
+    fused = fuse_responses(responses, 1 << 20)
+    assert [(list(r.names), r.compression) for r in fused] == [(["a", "c"], "int8"), (["b"], ""),
+                                                                (["d"], "linear8")]
+
+
+@pytest.mark.parametrize("fields,expected", [
+    ({"compression": "int4"}, "unknown wire format"),
+    ({"compression": "int8", "op": pb.BROADCAST}, "allreduce only"),
+    ({"compression": "int8", "reduce_op": pb.MAX}, "Sum or Average, not Max"),
+    ({"compression": "int8", "dtype": "int32"}, "floating-point tensors, not int32"),
+])
+def test_unusable_wire_formats_fail_on_every_rank_with_the_reason(fields, expected):
+    negotiator = Negotiator(2)
+    declare_all(negotiator, "t", 2, **fields)
+    [response] = negotiator.pop_ready()
+    assert response.error_kind == pb.INVALID_REQUEST and expected in response.error_message
+    declare_all(negotiator, "u", 2, compression="linear8")
+    [ok] = negotiator.pop_ready()
+    assert ok.error_kind == pb.NO_ERROR and ok.compression == "linear8"
 
 
 def test_group_is_released_only_when_every_member_is_ready():

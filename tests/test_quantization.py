@@ -178,29 +178,36 @@ def test_pack_and_unpack():
         q.unpack(buffer.float(), 100)
 
 
-@pytest.mark.parametrize("compressor, decode", [(q.Int8Compressor, q.decode_dynamic_tree),
-                                                (q.Linear8Compressor, q.decode_linear8)])
-@pytest.mark.parametrize("shape, dtype", [((3, 4, 5), torch.float32), ((), torch.float64),
-                                          ((0,), torch.float32), ((17,), torch.bfloat16)])
-def test_compressors_round_trip(compressor, decode, shape, dtype):
-    assert issubclass(compressor, Compressor)
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(11)).to(dtype)
-    sent, ctx = compressor.compress(x)
-    assert sent.dtype == torch.uint8 and sent.shape == (q.HEADER_BYTES + x.numel(),)
-    assert ctx == (x.numel(), x.shape, dtype)
-    restored = compressor.decompress(sent, ctx)
-    assert restored.shape == x.shape and restored.dtype == dtype
-    codes, absmax = q.unpack(sent, x.numel())
-    assert torch.equal(restored, decode(codes, absmax, dtype).reshape(shape))
-    if x.numel():
-        assert float((restored.double() - x.double()).abs().max()) <= 0.01 * float(x.abs().max())
+@pytest.mark.parametrize("kind, encode, decode", [("dynamic tree", q.encode_dynamic_tree, q.decode_dynamic_tree),
+                                                  ("linear8", q.encode_linear8, q.decode_linear8)])
+@pytest.mark.parametrize("count", [0, 1, 1000])
+def test_ring_codec_lays_blocks_out_as_pack_does(kind, encode, decode, count):
+    codec = q.RingCodec(kind)
+    values = torch.randn(count, generator=torch.Generator().manual_seed(count)).numpy()
+    encoded = torch.empty(codec.encoded_bytes(count), dtype=torch.uint8)
+    codec.encode(values, encoded.numpy())
+    assert torch.equal(encoded, q.pack(*encode(torch.from_numpy(values))))
+    out = torch.full((count,), 7.0)
+    codec.decode(encoded.numpy(), out.numpy())
+    codes, absmax = q.unpack(encoded, count)
+    assert torch.equal(out, decode(codes, absmax))
+    base = torch.arange(count, dtype=torch.float32)
+    codec.decode(encoded.numpy(), out.numpy(), add=base.numpy())
+    assert torch.equal(out, base + decode(codes, absmax))
 
 
-@pytest.mark.parametrize("compressor", [q.Int8Compressor, q.Linear8Compressor])
-def test_compressors_pass_non_floating_tensors_through(compressor):
-    x = torch.arange(6)
-    sent, ctx = compressor.compress(x)
-    assert sent is x and ctx is None and compressor.decompress(sent, ctx) is x
+def test_wire_compressors_pass_tensors_to_the_ring_unchanged():
+    from ringmaster.worker.compression import Compression, wire_format
+
+    x = torch.randn(5)
+    for compressor, name in [(Compression.int8, "int8"), (Compression.linear8, "linear8")]:
+        assert issubclass(compressor, Compressor)
+        sent, ctx = compressor.compress(x)
+        assert sent is x and compressor.decompress(sent, ctx) is x
+        assert wire_format(compressor, x) == name and wire_format(compressor, torch.arange(3)) == ""
+    assert wire_format(Compression.fp16, x) == "" and wire_format(Compression.none, x) == ""
+    with pytest.raises(ValueError, match="unknown 8-bit type"):
+        q.RingCodec("int4")
 
 
 def test_wrong_types_are_refused():

@@ -25,3 +25,4 @@ from ringmaster.worker.sparse import sparse_allreduce_async
 from ringmaster.worker.timeline import start_timeline, stop_timeline
 from ringmaster.worker.collectives import (grouped_allgather, grouped_allgather_async, grouped_reducescatter,
                                            grouped_reducescatter_async)
+from ringmaster.ops.traffic import bytes_sent

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.worker.compression import Compression
 from ringmaster.worker.executor import Entry
 from ringmaster.worker.process_sets import ProcessSet, global_process_set, member_set
 from ringmaster.worker.runtime import runtime
@@ -124,8 +125,12 @@ def _submit_or_release(state, handle, entries, requests, flush: bool) -> None:
 # ----------------------------------------------------------------- allreduce
 def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, prescale_factor,
                        postscale_factor, in_place: bool, what: str, single: bool, flush: bool = False,
-                       process_set: ProcessSet = global_process_set) -> int:
+                       process_set: ProcessSet = global_process_set, wire_format: str = "") -> int:
+    """Submit an allreduce of ``tensors``; ``wire_format`` ("int8", "linear8") makes the ring move 8-bit codes."""
     op = _resolve_op(average, op, what)
+    if wire_format and op not in (Average, Sum):
+        raise ValueError(f"{what}: the {wire_format} wire format reduces with op=Average or op=Sum, not "
+                         f"{_REDUCE_OPS.get(op, op)}; use Compression.none for {_REDUCE_OPS.get(op, op)}")
     state = runtime()
     set_id = member_set(process_set, what).process_set_id
     if not single and not tensors:
@@ -151,6 +156,7 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
         requests.append(_request(entry_name, pb.ALLREDUCE, source, set_id, reduce_op=op,
                                  prescale_factor=float(prescale_factor),
                                  postscale_factor=float(postscale_factor),
+                                 compression=wire_format if source.dtype.is_floating_point else "",
                                  group=group, group_size=0 if single else len(tensors)))
     _submit_or_release(state, handle, entries, requests, flush)
     return handle.id
@@ -169,11 +175,33 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                               False, "allreduce_async", single=True, process_set=process_set)
 
 
-def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-              process_set=global_process_set):
-    """Allreduce ``tensor`` over all ranks and return the result as a new tensor."""
-    return synchronize(_grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
-                                          False, "allreduce", single=True, flush=True, process_set=process_set))
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set):
+    """Allreduce ``tensor`` over all ranks and return the result as a new tensor.
+
+    ``compression`` (default ``Compression.none``) compresses what travels:
+    ``Compression.fp16`` sends float16, ``Compression.int8``/``linear8`` 8-bit codes.
+    """
+    compressor, wire = _tensor_compressor(compression, "allreduce")
+    compressed, ctx = compressor.compress(tensor)
+    result = synchronize(_grouped_allreduce([compressed], average, name, op, prescale_factor, postscale_factor,
+                                            False, "allreduce", single=True, flush=True, process_set=process_set,
+                                            wire_format=wire))
+    return compressor.decompress(result, ctx)
+
+
+def _tensor_compressor(compression, what: str):
+    """``(compressor, wire format)`` of a ``compression=`` argument; refuses stateful sparsifiers."""
+    compression = Compression.none if compression is None else compression
+    if callable(getattr(compression, "prepare", None)):
+        raise TypeError(f"{what}: {type(compression).__name__} keeps residuals per gradient and works only "
+                        f"inside DistributedOptimizer(compression=...); use Compression.none, fp16, int8 "
+                        f"or linear8 here")
+    for method in ("compress", "decompress"):
+        if not callable(getattr(compression, method, None)):
+            raise TypeError(f"{what}: compression={compression!r} has no {method}() method; pass "
+                            f"ringmaster.Compression.none, fp16, int8, linear8 or a Compressor subclass")
+    return compression, getattr(compression, "wire_format", "")
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -197,12 +225,18 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                               False, "grouped_allreduce_async", single=False, process_set=process_set)
 
 
-def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                      process_set=global_process_set):
-    """Allreduce a list of tensors as one group; returns the list of results."""
-    return synchronize(_grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                                          False, "grouped_allreduce", single=False, flush=True,
-                                          process_set=process_set))
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set):
+    """Allreduce a list of tensors as one group; returns the list of results.
+
+    ``compression`` as in :func:`allreduce`.
+    """
+    compressor, wire = _tensor_compressor(compression, "grouped_allreduce")
+    compressed = [compressor.compress(tensor) for tensor in tensors]
+    results = synchronize(_grouped_allreduce([c for c, _ in compressed], average, name, op, prescale_factor,
+                                             postscale_factor, False, "grouped_allreduce", single=False,
+                                             flush=True, process_set=process_set, wire_format=wire))
+    return [compressor.decompress(result, ctx) for result, (_, ctx) in zip(results, compressed)]
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,

@@ -14,6 +14,7 @@ size, and skips responses of sets this rank is not in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -213,6 +214,9 @@ class Executor:
 
     # ------------------------------------------------------------- allreduce
     def _allreduce(self, response: pb.Response, group: SetComm) -> None:
+        if response.compression:
+            self._allreduce_quantized(response, group)
+            return
         dtype = SUPPORTED_DTYPES[response.dtype]
         entries = [self._take(response, name) for name in response.names]
         shapes = [tuple(shape.dims) for shape in response.shapes]
@@ -269,6 +273,41 @@ class Executor:
         if recording is not None:
             recording.end(response.names)
         # Complete only after every copy: a woken caller would otherwise fight this thread for the GIL.
+        for entry, result in done:
+            self._complete(entry, result)
+
+    def _allreduce_quantized(self, response: pb.Response, group: SetComm) -> None:
+        """Allreduce in float32 while every ring step moves 8-bit codes (``response.compression``)."""
+        dtype = SUPPORTED_DTYPES[response.dtype]
+        entries = [self._take(response, name) for name in response.names]
+        shapes = [tuple(shape.dims) for shape in response.shapes]
+        sizes = [math.prod(shape) for shape in shapes]
+        buffer = self._fusion_buffer(torch.float32, sum(sizes))
+        for entry, part in zip(entries, buffer.split(sizes)):
+            if entry is None:  # this rank joined: it adds zeros
+                part.zero_()
+            else:
+                part.copy_(entry.tensor.reshape(-1))
+        if response.prescale_factor != 1.0:
+            buffer.mul_(response.prescale_factor)
+        scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
+            else response.postscale_factor
+        recording = timeline.active()
+        if recording is not None:
+            recording.begin(response.names, f"QUANTIZED_RING_ALLREDUCE_{response.compression.upper()}")
+        ops.quantized_ring_allreduce(group.comm, flat_array(buffer), _ring_codec(response.compression),
+                                     scale=scale)
+        if recording is not None:
+            recording.end(response.names)
+        done = []
+        for entry, part, shape in zip(entries, buffer.split(sizes), shapes):
+            if entry is None:
+                continue
+            if entry.output is None:
+                done.append((entry, part.to(dtype, copy=True).view(shape)))
+            else:
+                entry.output.reshape(-1).copy_(part)
+                done.append((entry, entry.output))
         for entry, result in done:
             self._complete(entry, result)
 
@@ -415,6 +454,14 @@ class Executor:
         entry = self._take(response, response.names[0])
         if entry is not None:
             self._complete(entry, True)
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_codec(compression: str):
+    """The codec of an 8-bit wire format ("int8": Dettmers' dynamic tree; "linear8")."""
+    from ringmaster.worker.quantization import RingCodec
+
+    return RingCodec({"int8": "dynamic tree", "linear8": "linear8"}[compression])
 
 
 def _in_set(response: pb.Response) -> str:

@@ -17,12 +17,21 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ringmaster.worker import collectives
-from ringmaster.worker.compression import Compression
+from ringmaster.worker.compression import Compression, wire_format
 from ringmaster.worker.process_sets import ProcessSet, global_process_set
 from ringmaster.worker.runtime import runtime
 from ringmaster.worker.sparse import sparse_allreduce_async
 
 _NAME_PREFIX = "DistributedOptimizer."
+
+# What a sparsifier's collective was: its result is combined, or used as it is.
+_SPARSE = "sparse allgather"
+_DENSE = "dense allreduce"
+
+
+def _is_sparsifier(compression) -> bool:
+    """rgc/topk: compressors with per-tensor state that choose their own collective."""
+    return callable(getattr(compression, "prepare", None)) and callable(getattr(compression, "combine", None))
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -32,6 +41,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                gradient_predivide_factor, groups, sparse_as_dense, process_set) -> None:
         self._process_set = process_set
         self._compression = compression
+        # rgc/topk: per-tensor state, dense allreduce or sparse allgather decided per tensor.
+        self._sparsifier = compression if _is_sparsifier(compression) else None
         self._op = op
         self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
@@ -94,11 +105,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if not self._sparse_as_dense:
                 return sparse_allreduce_async(grad, name=name, op=self._op, process_set=self._process_set), None, None
             grad = grad.to_dense()
+        if self._sparsifier is not None:
+            return self._sparsify_async(p, name, grad)
         compressed, ctx = self._compression.compress(grad)
         prescale, postscale = self._scaling()
-        handle = collectives.allreduce_async_(compressed, name=name, op=self._op, prescale_factor=prescale,
-                                              postscale_factor=postscale, process_set=self._process_set)
+        handle = collectives._grouped_allreduce(
+            [compressed], None, name, self._op, prescale, postscale, True, "DistributedOptimizer", single=True,
+            process_set=self._process_set, wire_format=wire_format(self._compression, compressed))
         return handle, ctx, compressed
+
+    def _sparsify_async(self, p: torch.Tensor, name: str, grad: torch.Tensor):
+        """rgc/topk: allreduce the tensor the compressor keeps dense, or allgather its sparse message."""
+        plan = self._sparsifier.prepare(self._parameter_names[p], grad, self._process_set.size())
+        if plan.dense:
+            handle = collectives.allreduce_async(plan.tensor, name=name, op=collectives.Average,
+                                                 process_set=self._process_set)
+            return handle, _DENSE, None
+        handle = collectives.allgather_async(plan.message, name=name, process_set=self._process_set)
+        return handle, _SPARSE, None
 
     def _allreduce_group_async(self, group: int) -> None:
         members = self._groups[group]
@@ -116,9 +140,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads.append(compressed)
             contexts.append(ctx)
         prescale, postscale = self._scaling()
-        handle = collectives.grouped_allreduce_async_(grads, name=f"{_NAME_PREFIX}group.{group}", op=self._op,
-                                                      prescale_factor=prescale, postscale_factor=postscale,
-                                                      process_set=self._process_set)
+        handle = collectives._grouped_allreduce(
+            grads, None, f"{_NAME_PREFIX}group.{group}", self._op, prescale, postscale, True,
+            "DistributedOptimizer", single=False, process_set=self._process_set,
+            wire_format=wire_format(self._compression, grads[0]))
         self._group_ready.pop(group, None)
         for p, ctx, compressed in zip(members, contexts, grads):
             self._handles[p] = ((handle, group), ctx, compressed)
@@ -154,12 +179,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     output = sent
                 else:
                     output = collectives.synchronize(handle)
-                self._write_gradient(p, self._compression.decompress(output, ctx))
+                self._write_gradient(p, self._restore(p, output, ctx))
         finally:
             self._handles.clear()
             for p in self._requires_update:
                 self._delay[p] = self.backward_passes_per_step
         self._synchronized = True
+
+    def _restore(self, p: torch.Tensor, output, ctx):
+        """The reduced gradient of ``p`` from what its collective returned."""
+        if ctx is _SPARSE:
+            return self._sparsifier.combine(self._parameter_names[p], output, self._process_set.size())
+        if ctx is _DENSE:
+            return output
+        return self._compression.decompress(output, ctx)
 
     @staticmethod
     def _write_gradient(p: torch.Tensor, reduced: torch.Tensor) -> None:
@@ -255,7 +288,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             its class sharing its parameter groups and state: use it instead of the original.
         named_parameters: ``model.named_parameters()``; names the allreduces (recommended).
             Every parameter of the optimizer must be named, each name once.
-        compression: how gradients travel, e.g. ``Compression.fp16``.
+        compression: how gradients travel: ``Compression.none``, ``fp16``, ``int8`` or
+            ``linear8`` (8-bit codes on the wire), or a sparsifier built for this optimizer,
+            ``Compression.rgc(...)`` (residual gradient compression) or ``topk(...)``.
         backward_passes_per_step: backward passes accumulated locally before one allreduce.
         op: ``Average`` (default), ``Sum`` or ``Adasum`` (not supported).
         gradient_predivide_factor: with ``Average``, divide gradients by this factor before
@@ -282,10 +317,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError("gradient_predivide_factor applies to op=Average only")
     if not gradient_predivide_factor > 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
-    for method in ("compress", "decompress"):
-        if not callable(getattr(compression, method, None)):
-            raise TypeError(f"compression={compression!r} has no {method}() method; pass ringmaster.Compression.none, "
-                            f".fp16 or a class with static compress(tensor) and decompress(tensor, ctx)")
+    if _is_sparsifier(compression):
+        _check_sparsifier_use(compression, optimizer, op, gradient_predivide_factor, groups)
+    else:
+        for method in ("compress", "decompress"):
+            if not callable(getattr(compression, method, None)):
+                raise TypeError(f"compression={compression!r} has no {method}() method; pass "
+                                f"ringmaster.Compression.none, .fp16, .int8, .linear8, .rgc(...), .topk(...) "
+                                f"or a class with static compress(tensor) and decompress(tensor, ctx)")
+        if wire_format(compression, torch.zeros(1)) and op not in (collectives.Average, collectives.Sum):
+            raise ValueError("8-bit compression reduces with op=Average or op=Sum")
     if "step" in vars(optimizer):
         warnings.warn("this optimizer's step() was wrapped on the instance, usually by an LR scheduler "
                       "created before DistributedOptimizer; that scheduler keeps driving the original "
@@ -308,6 +349,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     wrapped._setup(named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return wrapped
+
+
+def _check_sparsifier_use(compression, optimizer, op, gradient_predivide_factor, groups) -> None:
+    """rgc/topk average each gradient on their own: refuse options that would change that."""
+    kind = type(compression).__name__
+    if op != collectives.Average or gradient_predivide_factor != 1.0:
+        raise ValueError(f"{kind} averages gradients over ranks: use op=Average and "
+                         f"gradient_predivide_factor=1.0 with it")
+    if groups is not None:
+        raise ValueError(f"{kind} selects entries per tensor and cannot fuse groups; leave groups=None")
+    check = getattr(compression, "check_optimizer", None)
+    if callable(check):
+        check(optimizer)
 
 
 def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:

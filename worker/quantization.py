@@ -56,7 +56,6 @@ from typing import NamedTuple
 
 import torch
 
-from ringmaster.worker.compression import Compressor
 
 #: Bytes in front of the codes in a packed buffer: ``absmax`` as float32.
 HEADER_BYTES = 4
@@ -242,41 +241,38 @@ def unpack(buffer: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor
     return buffer[HEADER_BYTES:], absmax
 
 
-class _EightBitCompressor(Compressor):
-    """Packs floating-point tensors as 1 byte per element plus the 4-byte absmax header.
+class RingCodec:
+    """An 8-bit type as the quantized ring allreduce's codec (``ops.quantized_ring.Codec``).
 
-    ``compress`` returns the packed uint8 buffer and ``ctx = (numel, shape, dtype)``;
-    ``decompress`` restores shape and dtype. Non-floating tensors travel as they are.
-    Subclasses name their codec's encode and decode functions.
+    A block of ``count`` float32 values travels as :func:`pack` lays it out: its absmax
+    (4 bytes), then ``count`` codes. Works on NumPy arrays (CPU) without copies.
     """
 
-    _encode = None
-    _decode = None
+    def __init__(self, kind: str):
+        if kind not in _VALUES:
+            raise ValueError(f"unknown 8-bit type {kind!r}; use one of {', '.join(map(repr, _VALUES))}")
+        self.kind = kind
 
-    @classmethod
-    def compress(cls, tensor):
-        if not tensor.dtype.is_floating_point:
-            return tensor, None
-        return pack(*cls._encode(tensor)), (tensor.numel(), tensor.shape, tensor.dtype)
+    @staticmethod
+    def encoded_bytes(count: int) -> int:
+        """``count`` codes plus the header."""
+        return HEADER_BYTES + count
 
-    @classmethod
-    def decompress(cls, tensor, ctx):
-        if ctx is None:
-            return tensor
-        numel, shape, dtype = ctx
-        codes, absmax = unpack(tensor, numel)
-        return cls._decode(codes, absmax, dtype).reshape(shape)
+    def encode(self, values, out) -> None:
+        """Encode the float32 array ``values`` into the uint8 array ``out``."""
+        codes, absmax = _encode(torch.from_numpy(values), self.kind, "ring encode")
+        target = torch.from_numpy(out)
+        target[:HEADER_BYTES] = absmax.reshape(1).view(torch.uint8)
+        target[HEADER_BYTES:] = codes
 
-
-class Int8Compressor(_EightBitCompressor):
-    """Sends floating-point tensors as dynamic tree bytes."""
-
-    _encode = staticmethod(encode_dynamic_tree)
-    _decode = staticmethod(decode_dynamic_tree)
-
-
-class Linear8Compressor(_EightBitCompressor):
-    """Sends floating-point tensors as linear8 bytes."""
-
-    _encode = staticmethod(encode_linear8)
-    _decode = staticmethod(decode_linear8)
+    def decode(self, encoded, out, add=None) -> None:
+        """Decode the uint8 array ``encoded`` into the float32 array ``out`` (plus ``add``)."""
+        source = torch.from_numpy(encoded)
+        absmax = source[:HEADER_BYTES].clone().view(torch.float32).reshape(())
+        values = _tables(self.kind, source.device).decode * absmax
+        target = torch.from_numpy(out)
+        if add is None:
+            torch.index_select(values, 0, source[HEADER_BYTES:].to(torch.int32), out=target)
+        else:
+            decoded = torch.index_select(values, 0, source[HEADER_BYTES:].to(torch.int32))
+            torch.add(torch.from_numpy(add), decoded, out=target)

@@ -221,6 +221,9 @@ train_sparse("sparse embedding gradient, sparse_as_dense, in a group", sparse_as
 optimizer = train("Compression.fp16 (float16 rounding)", sgd, compression=rm.Compression.fp16, tolerance=5e-3)
 report("Compression.fp16 keeps gradients float32", all(p.grad.dtype == torch.float32 for group in optimizer.param_groups
                                                         for p in group["params"] if p.grad is not None))
+# 8-bit codes on the wire: about 2 % error per gradient element, a few steps of SGD.
+train("Compression.int8 (8-bit dynamic tree on the wire)", sgd, compression=rm.Compression.int8, tolerance=2e-2)
+train("Compression.linear8 in groups", adam, compression=rm.Compression.linear8, groups=2, tolerance=4e-2)
 train_with_closure()
 print(f"DONE {cases} cases, {failures} failures", flush=True)
 rm.shutdown()
