@@ -3,6 +3,7 @@
     ringrun -np 2 python examples/pytorch_digits.py
     ringrun -np 2 python examples/pytorch_digits.py --epochs 5 --checkpoint digits.pt
     ringrun -np 2 python examples/pytorch_digits.py --epochs 10 --checkpoint digits.pt --resume
+    ringrun -np 2 python examples/pytorch_digits.py --compression int8     # or fp16, linear8, rgc, topk
 
 The 1 797 8×8 digit images that ship with scikit-learn (no download) are split once, with a
 fixed seed, into a training and a test set. Every rank trains on its own shard of the
@@ -10,6 +11,11 @@ training set, reshuffled each epoch; DistributedOptimizer averages the gradients
 ranks while backward runs, so all ranks take the same step, and the learning rate is scaled
 by the number of ranks because the global batch is that many times larger. Rank 0 writes
 the checkpoints; with --resume, training continues after the checkpoint's epoch.
+
+--compression picks how gradients travel: fp16, 8-bit codes (int8: Dettmers' dynamic tree,
+linear8), or only the largest --ratio of each gradient's entries (rgc: RedSync's residual
+gradient compression, which keeps what it did not send for later steps and applies the
+momentum itself, with momentum correction; topk: the same without residuals).
 """
 
 import argparse
@@ -42,6 +48,23 @@ def load_data():
             TensorDataset((test_images - mean) / std, test_labels))
 
 
+MOMENTUM = 0.9
+COMPRESSIONS = ("none", "fp16", "int8", "linear8", "rgc", "topk")
+
+
+def make_compression(name: str, ratio: float, momentum: float):
+    """(compression, momentum left to the optimizer) for --compression.
+
+    rgc applies the momentum itself (momentum correction: every entry accumulates its
+    momentum while it waits to be sent), so the optimizer then runs without.
+    """
+    if name == "rgc":
+        return rm.Compression.rgc(ratio=ratio, momentum=momentum, min_size=1024, warmup_steps=20), 0.0
+    if name == "topk":
+        return rm.Compression.topk(ratio=ratio, min_size=1024), momentum
+    return getattr(rm.Compression, name), momentum
+
+
 def create_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
 
@@ -65,10 +88,11 @@ def load_checkpoint(path, model, optimizer) -> int:
 
 
 def train_epoch(model, optimizer, loader, description):
-    """One pass over this rank's shard; returns the loss averaged over all ranks and the total samples/s."""
+    """One pass over this rank's shard: (loss averaged over all ranks, total samples/s, bytes this rank sent per step)."""
     model.train()
     started = time.perf_counter()
-    loss_sum, samples = 0.0, 0
+    loss_sum, samples, steps = 0.0, 0, 0
+    rm.bytes_sent(reset=True)
     for images, labels in progress_bar(loader, description):
         optimizer.zero_grad()
         loss = F.cross_entropy(model(images), labels)
@@ -76,10 +100,12 @@ def train_epoch(model, optimizer, loader, description):
         optimizer.step()  # waits for the averaged gradients, then updates
         loss_sum += loss.item() * len(labels)
         samples += len(labels)
+        steps += 1
+    bytes_per_step = rm.bytes_sent()["total"] / max(steps, 1)
     seconds = time.perf_counter() - started
     mean_loss = rm.allreduce(torch.tensor(loss_sum / samples), op=rm.Average).item()
     samples_per_second = rm.allreduce(torch.tensor(samples / seconds), op=rm.Sum).item()
-    return mean_loss, samples_per_second
+    return mean_loss, samples_per_second, bytes_per_step
 
 
 @torch.no_grad()
@@ -104,6 +130,10 @@ def main():
     parser.add_argument("--seed", type=int, default=42, help="rank 0's initial weights and the shuffling of each epoch")
     parser.add_argument("--checkpoint", metavar="PATH", help="rank 0 saves model and optimizer here after each epoch")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint, if it exists")
+    parser.add_argument("--compression", choices=sorted(COMPRESSIONS), default="none",
+                        help="how gradients travel (default: as they are)")
+    parser.add_argument("--ratio", type=float, default=0.01,
+                        help="rgc/topk: the fraction of each gradient's entries sent per step")
     args = parser.parse_args()
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
@@ -118,8 +148,10 @@ def main():
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
     model = create_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * rm.size(), momentum=0.9)
-    optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    compression, optimizer_momentum = make_compression(args.compression, args.ratio, MOMENTUM)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * rm.size(), momentum=optimizer_momentum)
+    optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                        compression=compression)
 
     # Rank 0 restores the checkpoint and hands its epoch, weights and optimizer state to the others.
     finished_epoch = 0
@@ -134,11 +166,12 @@ def main():
 
     for epoch in range(finished_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)
-        loss, samples_per_second = train_epoch(model, optimizer, loader, f"epoch {epoch}/{args.epochs}")
+        loss, samples_per_second, bytes_per_step = train_epoch(model, optimizer, loader, f"epoch {epoch}/{args.epochs}")
         accuracy = evaluate(model, test_set)
         if rm.rank() == 0:
             print(f"epoch {epoch}: loss {loss:.4f}  test accuracy {accuracy:.3f}  "
-                  f"{samples_per_second:,.0f} samples/s on {rm.size()} ranks", flush=True)
+                  f"{samples_per_second:,.0f} samples/s on {rm.size()} ranks  "
+                  f"{bytes_per_step / 1024:,.1f} KiB sent per step", flush=True)
             if args.checkpoint:
                 save_checkpoint(args.checkpoint, model, optimizer, epoch)
 

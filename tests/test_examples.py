@@ -78,6 +78,29 @@ def test_digits_example_resumes_from_its_checkpoint(tmp_path, digits_on_two_rank
     assert epoch_losses(resumed.stdout)[3] == expected[3], (resumed.stdout, digits_on_two_ranks.stdout)
 
 
+def final_accuracy(stdout) -> float:
+    return float(re.search(r"final test accuracy ([0-9.]+)", stdout).group(1))
+
+
+def kib_sent_per_step(stdout) -> float:
+    """What rank 0 sent per step in the last epoch."""
+    return float(re.findall(r"([0-9.,]+) KiB sent per step", stdout)[-1].replace(",", ""))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("compression, fewer_bytes", [("fp16", 1.9), ("int8", 3.9), ("rgc", 10.0)])
+def test_compressed_training_stays_within_two_points_of_dense(compression, fewer_bytes, digits_on_two_ranks):
+    """fp16, 8-bit codes and RedSync's residual compression at ratio 0.01 (momentum
+    correction, 20 dense warm-up steps) converge like dense training, sending less."""
+    result = run_example(2, "pytorch_digits.py", "--compression", compression, "--ratio", 0.01, timeout=80)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "ranks agree on the weights (max difference 0.0e+00)" in result.stdout, result.stdout
+    dense = final_accuracy(digits_on_two_ranks.stdout)
+    assert final_accuracy(result.stdout) >= dense - 0.02, (result.stdout, dense)
+    ratio = kib_sent_per_step(digits_on_two_ranks.stdout) / kib_sent_per_step(result.stdout)
+    assert ratio >= fewer_bytes, (ratio, result.stdout)
+
+
 @pytest.mark.timeout(60)
 def test_synthetic_benchmark_reports_images_per_second():
     result = run_example(2, "synthetic_benchmark.py", "--model", "lenet", "--batch-size", 8,

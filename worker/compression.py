@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ringmaster.worker.rgc import RGCCompressor, TopKCompressor
+
 
 class Compressor:
     """Interface of a gradient compressor: subclass it and override both methods."""
@@ -110,3 +112,6 @@ class Compression:
     fp16 = FP16Compressor
     int8 = Int8Compressor
     linear8 = Linear8Compressor
+
+    rgc = RGCCompressor
+    topk = TopKCompressor

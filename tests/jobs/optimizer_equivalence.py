@@ -68,10 +68,11 @@ def shard(tensor):
 
 
 def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=None, scheduler=False,
-          tolerance=1e-5, **options):
+          tolerance=1e-5, make_reference_optimizer=None, **options):
     """Train ringmaster (shards) and the reference (whole batch) side by side; compare.
 
-    ``options`` go to DistributedOptimizer; a callable ``groups`` is given the model.
+    ``options`` go to DistributedOptimizer; a callable ``groups`` is given the model. The
+    reference uses ``make_reference_optimizer`` if given, else ``make_optimizer``.
     """
     torch.manual_seed(1)
     model = Net(branch=branch_on_rank is not None)
@@ -81,7 +82,7 @@ def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=N
     optimizer = rm.DistributedOptimizer(make_optimizer(model.parameters()),
                                         named_parameters=model.named_parameters(), backward_passes_per_step=passes,
                                         **options)
-    reference_optimizer = make_optimizer(reference.parameters())
+    reference_optimizer = (make_reference_optimizer or make_optimizer)(reference.parameters())
     schedulers = []
     if scheduler:
         schedulers = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
@@ -224,6 +225,43 @@ report("Compression.fp16 keeps gradients float32", all(p.grad.dtype == torch.flo
 # 8-bit codes on the wire: about 2 % error per gradient element, a few steps of SGD.
 train("Compression.int8 (8-bit dynamic tree on the wire)", sgd, compression=rm.Compression.int8, tolerance=2e-2)
 train("Compression.linear8 in groups", adam, compression=rm.Compression.linear8, groups=2, tolerance=4e-2)
+# Residual gradient compression. Sending every entry (ratio=1) is the dense average; with
+# momentum correction, dense warm-up steps are exactly momentum SGD with the optimizer's
+# momentum moved into the compressor.
+def plain_sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+train("rgc ratio=1 sends everything: the dense average", plain_sgd,
+      compression=rm.Compression.rgc(ratio=1.0, min_size=1))
+train("topk ratio=1 sends everything: the dense average", plain_sgd,
+      compression=rm.Compression.topk(ratio=1.0, min_size=1))
+train("rgc warm-up with momentum correction is momentum SGD", plain_sgd, make_reference_optimizer=sgd,
+      compression=rm.Compression.rgc(ratio=0.01, momentum=0.9, warmup_steps=1000, min_size=1))
+train("rgc nesterov warm-up is nesterov SGD", plain_sgd,
+      make_reference_optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+      compression=rm.Compression.rgc(ratio=0.01, momentum=0.9, nesterov=True, warmup_steps=1000, min_size=1))
+# Sparse steps differ from dense ones by design; what must hold is agreement across ranks.
+for label, compressor in [("rgc ratio=0.05 with momentum", rm.Compression.rgc(ratio=0.05, momentum=0.9, min_size=1)),
+                          ("quantized rgc", rm.Compression.rgc(ratio=0.05, quantize=True, min_size=1)),
+                          ("rgc with clipping", rm.Compression.rgc(ratio=0.05, clip_norm=0.5, min_size=1))]:
+    train(label, plain_sgd, compression=compressor, tolerance=float("inf"))
+
+
+def refused(case, expected, **options):
+    model = Net()
+    try:
+        rm.DistributedOptimizer(options.pop("optimizer", plain_sgd)(model.parameters()),
+                                named_parameters=model.named_parameters(), **options)
+        report(case, False, "no error")
+    except ValueError as error:
+        report(case, expected in str(error), str(error))
+
+
+refused("rgc(momentum) with an optimizer that has momentum", "set momentum=0 in the optimizer",
+        optimizer=sgd, compression=rm.Compression.rgc(momentum=0.9))
+refused("rgc with groups", "leave groups=None", compression=rm.Compression.rgc(), groups=2)
+refused("rgc with op=Sum", "use op=Average", compression=rm.Compression.rgc(), op=rm.Sum)
 train_with_closure()
 print(f"DONE {cases} cases, {failures} failures", flush=True)
 rm.shutdown()

@@ -108,6 +108,11 @@ try:
 except ValueError as error:
     report("int8 with op=Max refused", "op=Average or op=Sum" in str(error), str(error))
 try:
+    rm.allreduce(torch.ones(3), compression=rm.Compression.rgc())
+    report("rgc in allreduce refused", False, "no error")
+except TypeError as error:
+    report("rgc in allreduce refused", "DistributedOptimizer" in str(error), str(error))
+try:
     rm.allreduce(torch.ones(3), name="mixed", compression=rm.Compression.int8 if RANK == 0 else None)
     report("ranks disagreeing on compression fail", False, "no error")
 except rm.TensorMismatchError as error:

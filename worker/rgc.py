@@ -1,0 +1,534 @@
+"""Residual gradient compression (RGC), the per-rank half: what one rank sends for one
+gradient and how it turns what all ranks sent into its new gradient (RedSync, "Reducing
+Synchronization Traffic for Distributed Deep Learning", Algorithms 1 and 4, sections 2.1.1,
+2.2 and appendices B and C; momentum correction, momentum factor masking and local
+clipping from Deep Gradient Compression). Nothing here communicates: the caller allgathers
+the messages (or allreduces the dense tensors) in between.
+
+Per parameter (by name), once per step, on every rank in the same order::
+
+    plan = comp.prepare(name, grad, world_size)
+    if plan.dense:      # allreduce-average plan.tensor; the average is the new gradient
+        ...
+    else:               # allgather plan.message (uint8) in rank order, then
+        grad = comp.combine(name, gathered, world_size)
+
+The algorithm (``RGCCompressor``), per tensor:
+
+1. ``G' = G``, scaled down so that ``||G'||_2 <= clip_norm / sqrt(world_size)`` when
+   ``clip_norm`` is set (local clipping: the norm of a sum of N such gradients stays near
+   ``clip_norm``). The norm is the tensor's own, not the whole model's.
+2. With ``momentum=m``: ``U = m*U + G'`` and the update is ``U`` (``nesterov``:
+   ``G' + m*U`` with the new ``U``, as ``torch.optim.SGD(nesterov=True)``); else ``G'``.
+3. Dense steps — tensors with fewer than ``min_size`` elements, and every tensor during its
+   first ``warmup_steps`` calls (RedSync's warm-up with plain allreduce) — send the update
+   itself to be averaged. The average over ranks of the per-rank ``U`` is the momentum buffer
+   of the averaged gradient, so dense steps are exactly momentum SGD. No residual is kept.
+4. Sparse steps: ``V += update``; choose ``k = max(1, ceil(ratio * numel))`` entries of
+   largest ``|V|`` with ``worker.selection`` (exactly ``k`` for exact/trimmed, ``k`` to ``2k``
+   for the threshold search); send their indices and values; the selected entries leave the
+   residual: ``V[sel] -= sent`` (which is ``V[sel] = 0`` unless the values were rounded to a
+   16-bit gradient dtype — the rounding error stays in ``V``), and with momentum
+   ``U[sel] = 0`` (momentum factor masking: a coordinate that was sent restarts its momentum).
+5. ``quantize=True`` (quantized RGC): steps alternate per tensor between the ``k`` largest
+   positive entries of ``V`` (first sparse step) and the ``k`` most negative, and send their
+   indices and ONE value, their mean ``mu``; then ``V[sel] -= mu``. The quantization error
+   ``V[sel] - mu`` stays in the residual, so nothing is lost, only delayed. Fewer than ``k``
+   entries of the step's sign send fewer indices (possibly none).
+
+So for every rank, ``sum of what it sent + V == sum of its updates`` at all times.
+
+``combine`` adds all ranks' contributions into a zero dense tensor (``index_add_``:
+indices chosen by several ranks add up), divides by ``world_size`` and returns the result
+in the gradient's shape and dtype: the average over ranks of what they sent. The caller
+writes it into ``p.grad`` and the user's optimizer steps; with ``momentum`` that optimizer
+must itself have momentum 0 (``RGCCompressor.check_optimizer``).
+
+Message format (one rank, one tensor; a 1-D ``torch.uint8`` tensor, little-endian)::
+
+    int32  count k'                       number of indices, 0 <= k' <= numel
+    int32  indices[k']                    ascending positions in the flattened tensor
+    dtype  values[k']                     the gradient's dtype (float16/bfloat16/32/64);
+                                          quantized: values[1] (the mean), or none if k' == 0
+
+Indices are int32, so sparse tensors must have fewer than ``2**31`` elements (larger ones
+are refused with a ``ValueError``; keep them dense with a larger ``min_size`` or split
+them). A gathered buffer is the concatenation of ``world_size`` messages in rank order; each
+is self-describing through its count (whether a message carries one value or ``k'`` is the
+compressor's ``quantize`` setting, the same on every rank).
+
+Precision: the residual ``V``, the momentum ``U`` and ``combine``'s accumulator are float64
+for float64 gradients and float32 otherwise (float16/bfloat16 residuals would stop absorbing
+small gradients once they grow). Messages carry values in the gradient's own dtype.
+
+``TopKCompressor`` is the baseline without memory: the same selection, messages and
+``combine``, but unselected entries are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import sys
+from fractions import Fraction
+
+import torch
+
+from ringmaster.worker import selection as sel
+
+__all__ = [
+    "DEFAULT_MIN_SIZE",
+    "MAX_SPARSE_NUMEL",
+    "Plan",
+    "RGCCompressor",
+    "TopKCompressor",
+    "check_optimizer",
+    "decode",
+    "encode",
+]
+
+#: Tensors with fewer elements are always sent dense. RedSync compressed only CNN layers
+#: larger than 128 KB (32 Ki float32) and kept biases and batch-norm layers dense; such small
+#: tensors cost little to allreduce (latency dominates), while sparsifying them would leave
+#: a bias with 1 of its 64 entries updated per step.
+DEFAULT_MIN_SIZE = 32768
+#: int32 indices: sparse tensors must have fewer elements than this.
+MAX_SPARSE_NUMEL = 2**31
+
+_METHODS = ("auto", "exact", "trimmed", "threshold", "sampled")
+_COUNT = torch.int32
+_INDEX = torch.int32
+_SAMPLED_SEED = 0x5EED
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``prepare`` asks the caller to communicate for one tensor.
+
+    ``dense``: allreduce-average ``tensor`` (shape and dtype of the gradient); the average is
+    the new gradient. Otherwise allgather ``message`` (1-D ``torch.uint8``) and pass the
+    concatenation to ``combine``. ``count`` is the number of indices in ``message`` (0 for
+    dense plans).
+    """
+
+    dense: bool
+    tensor: torch.Tensor | None = None
+    message: torch.Tensor | None = None
+    count: int = 0
+
+
+@dataclasses.dataclass
+class _TensorState:
+    """What a compressor keeps for one tensor name."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+    k: int
+    calls: int = 0
+    sparse_steps: int = 0
+    residual: torch.Tensor | None = None
+    momentum: torch.Tensor | None = None
+    # One per sign: quantized steps alternate signs, whose thresholds differ.
+    thresholds: tuple[sel.ThresholdState, sel.ThresholdState] = dataclasses.field(
+        default_factory=lambda: (sel.ThresholdState(), sel.ThresholdState()))
+
+
+# ---------------------------------------------------------------------------------------
+# Message format
+
+
+def encode(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One message: int32 ``len(indices)``, the indices as int32, then ``values`` (their own
+    dtype; ``len(indices)`` values, or one for a quantized message, or none). Returns a 1-D
+    ``torch.uint8`` tensor on the indices' device."""
+    count = torch.tensor([indices.numel()], dtype=_COUNT, device=indices.device)
+    parts = [count, indices.to(_INDEX), values.reshape(-1).contiguous()]
+    return torch.cat([part.view(torch.uint8) for part in parts])
+
+
+def decode(buffer: torch.Tensor, messages: int, dtype: torch.dtype, *, quantized: bool = False,
+           numel: int | None = None, name: str = "tensor") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split a concatenation of ``messages`` messages into ``(indices, values)`` pairs.
+
+    ``indices`` are int64; ``values`` have ``dtype`` and one entry per index (a quantized
+    message's single value is repeated). Raises ``RuntimeError`` naming ``name`` if the
+    buffer does not parse to exactly ``messages`` messages, or (given ``numel``) if a count
+    or an index is out of range.
+    """
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        what = f"{buffer.dtype} tensor of shape {tuple(buffer.shape)}" if isinstance(buffer, torch.Tensor) \
+            else type(buffer).__name__
+        raise TypeError(f"the gathered messages of {name!r} must be a 1-D torch.uint8 tensor, got {what}")
+    value_size = torch.empty(0, dtype=dtype).element_size()
+    parts, offset, total = [], 0, buffer.numel()
+    for rank in range(messages):
+        count = _read_count(buffer, offset, rank, messages, name, numel)
+        offset += 4
+        carried = min(count, 1) if quantized else count
+        end = offset + 4 * count + value_size * carried
+        if end > total:
+            raise RuntimeError(f"gathered messages of {name!r}: message {rank} of {messages} announces {count} "
+                               f"indices but the buffer ends after {total - offset} more bytes (expected "
+                               f"{end - offset}); every rank must send its plan.message for this tensor")
+        indices = _view(buffer, offset, count, _INDEX).long()
+        values = _view(buffer, offset + 4 * count, carried, dtype)
+        parts.append((indices, values.expand(count) if quantized else values))
+        offset = end
+    if offset != total:
+        raise RuntimeError(f"gathered messages of {name!r}: {total - offset} bytes left over after {messages} "
+                           f"messages ({total} bytes in all); the buffer must be the concatenation of exactly "
+                           f"world_size={messages} messages")
+    return parts
+
+
+def _read_count(buffer, offset, rank, messages, name, numel) -> int:
+    if offset + 4 > buffer.numel():
+        raise RuntimeError(f"gathered messages of {name!r}: the buffer ({buffer.numel()} bytes) ends before "
+                           f"message {rank} of world_size={messages}; every rank must contribute one message")
+    count = int(_view(buffer, offset, 1, _COUNT)[0])
+    if count < 0 or (numel is not None and count > numel):
+        raise RuntimeError(f"gathered messages of {name!r}: message {rank} announces {count} indices for a "
+                           f"tensor of {numel} elements; the buffer is corrupt or not from this tensor")
+    return count
+
+
+def _view(buffer: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` elements of ``dtype`` stored at byte ``offset``, copied when misaligned
+    (a message after one with 16-bit values may start on any even byte)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    chunk = buffer[offset:offset + count * size]
+    if chunk.storage_offset() % size:
+        chunk = chunk.clone()
+    return chunk.view(dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Compressors
+
+
+class _SparseCompressor:
+    """What ``RGCCompressor`` and ``TopKCompressor`` share: argument checks, per-name state,
+    selection, messages and ``combine``."""
+
+    quantize = False
+
+    def __init__(self, ratio: float, selection: str, min_size: int):
+        if sys.byteorder != "little":
+            raise RuntimeError("sparse gradient messages are little-endian; this host is big-endian")
+        self.ratio = _check_ratio(ratio)
+        self.selection = _check_selection(selection)
+        self.min_size = _check_count("min_size", min_size, "e.g. 32768 keeps tensors under 32 Ki elements dense")
+        self._states: dict[str, _TensorState] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def combine(self, name: str, gathered: torch.Tensor, world_size: int) -> torch.Tensor:
+        """The average over ranks of what they sent for ``name``: ``gathered`` is the
+        concatenation (uint8, rank order) of the ``world_size`` ranks' ``plan.message``.
+        Returns a dense tensor with the shape, dtype and device of the gradient ``prepare``
+        was given."""
+        state = self._states.get(name)
+        if state is None:
+            raise RuntimeError(f"combine({name!r}) before prepare({name!r}); call prepare first on every rank")
+        world_size = _check_world_size(world_size)
+        parts = decode(gathered, world_size, state.dtype, quantized=self.quantize, numel=state.numel, name=name)
+        indices = torch.cat([i for i, _ in parts]).to(state.device)
+        values = torch.cat([v for _, v in parts]).to(device=state.device, dtype=_accumulator(state.dtype))
+        if indices.numel() and not bool(((indices >= 0) & (indices < state.numel)).all()):
+            raise RuntimeError(f"gathered messages of {name!r} hold indices outside [0, {state.numel}); the buffer "
+                               f"is corrupt or from another tensor")
+        total = torch.zeros(state.numel, dtype=values.dtype, device=state.device)
+        total.index_add_(0, indices, values)
+        return total.div_(world_size).to(state.dtype).reshape(state.shape)
+
+    def reset(self) -> None:
+        """Forget all per-tensor state (residuals, momenta, step counts, thresholds)."""
+        self._states.clear()
+
+    # -- helpers for subclasses ---------------------------------------------------------
+
+    def _state(self, name: str, grad: torch.Tensor) -> _TensorState:
+        _check_grad(name, grad)
+        state = self._states.get(name)
+        if state is None:
+            numel = grad.numel()
+            k = min(numel, max(1, math.ceil(Fraction(repr(self.ratio)) * numel)))
+            state = _TensorState(grad.shape, grad.dtype, grad.device, numel, k)
+            self._states[name] = state
+        elif grad.shape != state.shape or grad.device != state.device:
+            raise ValueError(f"gradient of {name!r} changed from shape {tuple(state.shape)} on {state.device} to "
+                             f"{tuple(grad.shape)} on {grad.device}; use a new name for a different tensor or "
+                             f"call reset()")
+        state.dtype = grad.dtype
+        return state
+
+    def _sparse_allowed(self, name: str, state: _TensorState) -> None:
+        if state.numel >= MAX_SPARSE_NUMEL:
+            raise ValueError(f"gradient of {name!r} has {state.numel} elements; sparse messages carry int32 indices "
+                             f"(fewer than 2**31 elements); keep it dense with min_size > {state.numel} or split "
+                             f"the parameter")
+
+    def _select(self, name: str, values: torch.Tensor, k: int, threshold: sel.ThresholdState) -> torch.Tensor:
+        """Ascending int64 indices of (at least) the ``k`` largest ``|values|``."""
+        try:
+            if self.selection == "sampled":
+                return sel.sampled_threshold_search(values, k, generator=self._generator(values.device))
+            # With a state "auto" never samples: selection stays free of randomness.
+            return sel.select(values, k, self.selection, threshold)
+        except ValueError as error:
+            raise ValueError(f"cannot select from the residual of {name!r}: {error}") from error
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """A private generator for the sampled search, leaving torch's default stream alone."""
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(_SAMPLED_SEED)
+        return self._generators[device]
+
+
+class RGCCompressor(_SparseCompressor):
+    """Residual gradient compression with RedSync's options (see the module docstring).
+
+    ``ratio``: share of each sparse tensor sent per step, ``0 < ratio <= 1`` (k =
+    ``max(1, ceil(ratio * numel))``). ``selection``: a ``worker.selection`` method (``auto``,
+    ``exact``, ``trimmed``, ``threshold``, ``sampled``); ``threshold`` and large tensors under
+    ``auto`` reuse a searched threshold per tensor. ``quantize``: quantized RGC (not with
+    ``sampled``, as in RedSync). ``momentum``/``nesterov``: momentum correction and factor
+    masking; the user's optimizer must then have momentum 0. ``warmup_steps``: the first so
+    many ``prepare`` calls of each tensor are dense. ``min_size``: tensors with fewer elements
+    are always dense. ``clip_norm``: local clipping of each tensor's gradient to
+    ``clip_norm / sqrt(world_size)``.
+    """
+
+    def __init__(self, ratio: float = 0.001, selection: str = "auto", quantize: bool = False,
+                 momentum: float | None = None, nesterov: bool = False, warmup_steps: int = 0,
+                 min_size: int = DEFAULT_MIN_SIZE, clip_norm: float | None = None):
+        super().__init__(ratio, selection, min_size)
+        self.quantize = _check_bool("quantize", quantize)
+        if self.quantize and self.selection == "sampled":
+            raise ValueError("selection='sampled' cannot be used with quantize=True (RedSync 2.1.1); use "
+                             "selection='threshold', 'trimmed', 'exact' or 'auto'")
+        self.momentum = _check_momentum(momentum)
+        self.nesterov = _check_bool("nesterov", nesterov)
+        if self.nesterov and self.momentum is None:
+            raise ValueError("nesterov=True needs a momentum; pass momentum=0.9 (for example) or nesterov=False")
+        self.warmup_steps = _check_count("warmup_steps", warmup_steps, "e.g. 0 for no dense warm-up")
+        self.clip_norm = _check_clip(clip_norm)
+
+    def prepare(self, name: str, grad: torch.Tensor, world_size: int) -> Plan:
+        """This rank's contribution for the gradient ``grad`` of tensor ``name`` (see
+        ``Plan``). The dense/sparse decision depends only on ``name``'s size and call count
+        and the configuration, so every rank makes the same one. Raises ``ValueError`` naming
+        the tensor if ``grad`` holds NaN or infinity (state is then left unchanged)."""
+        state = self._state(name, grad)
+        world_size = _check_world_size(world_size)
+        dense = state.numel < self.min_size or state.calls < self.warmup_steps
+        if not dense:
+            self._sparse_allowed(name, state)
+        _require_finite(name, grad)
+        state.calls += 1
+        update = self._update(state, grad, world_size)
+        if dense:
+            # A copy when update is the momentum buffer itself: the caller may reduce in place.
+            tensor = update.to(grad.dtype, copy=update is state.momentum).reshape(grad.shape)
+            return Plan(dense=True, tensor=tensor)
+        return self._sparse_step(name, state, update)
+
+    def residual(self, name: str) -> torch.Tensor:
+        """A copy of the residual ``V`` of ``name`` (gradient's shape; float32, or float64 for
+        float64 gradients); zeros before its first sparse step."""
+        state = self._known(name)
+        if state.residual is None:
+            return torch.zeros(state.shape, dtype=_accumulator(state.dtype), device=state.device)
+        return state.residual.clone().reshape(state.shape)
+
+    def momentum_buffer(self, name: str) -> torch.Tensor | None:
+        """A copy of the momentum ``U`` of ``name`` (after masking), or ``None`` without
+        momentum or before the first step."""
+        state = self._known(name)
+        return None if state.momentum is None else state.momentum.clone().reshape(state.shape)
+
+    def check_optimizer(self, optimizer) -> None:
+        """Raise ``ValueError`` if this compressor applies momentum and a param group of
+        ``optimizer`` has momentum too (see ``check_optimizer``)."""
+        check_optimizer(optimizer, self.momentum)
+
+    def _known(self, name: str) -> _TensorState:
+        if name not in self._states:
+            raise KeyError(f"no tensor named {name!r} has been prepared")
+        return self._states[name]
+
+    def _update(self, state: _TensorState, grad: torch.Tensor, world_size: int) -> torch.Tensor:
+        """``G'`` (clipped) or, with momentum, the momentum-corrected update; 1-D, in the
+        accumulation dtype. Never ``grad`` modified in place."""
+        update = grad.reshape(-1).to(_accumulator(grad.dtype))
+        if self.clip_norm is not None:
+            update = _clip(update, self.clip_norm / math.sqrt(world_size))
+        if self.momentum is None:
+            return update
+        if state.momentum is None:
+            state.momentum = torch.zeros_like(update)
+        state.momentum.mul_(self.momentum).add_(update)
+        return update + self.momentum * state.momentum if self.nesterov else state.momentum
+
+    def _sparse_step(self, name: str, state: _TensorState, update: torch.Tensor) -> Plan:
+        if state.residual is None:
+            state.residual = torch.zeros_like(update)
+        residual = state.residual.add_(update)
+        if self.quantize:
+            indices, sent = self._select_quantized(name, state, residual)
+        else:
+            indices = self._select(name, residual, state.k, state.thresholds[0])
+            sent = residual.index_select(0, indices).to(state.dtype)
+        state.sparse_steps += 1
+        self._leave_residual(state, indices, sent)
+        return Plan(dense=False, message=encode(indices, sent), count=indices.numel())
+
+    def _select_quantized(self, name: str, state: _TensorState, residual: torch.Tensor):
+        """The ``k`` (to ``2k``) largest entries of this step's sign and their mean (one value
+        in the gradient's dtype; none if no entry has that sign)."""
+        sign = 1.0 if state.sparse_steps % 2 == 0 else -1.0
+        candidates = (residual * sign).clamp_(min=0)
+        indices = self._select(name, candidates, state.k, state.thresholds[state.sparse_steps % 2])
+        # Selection may fill up with zeros (entries of the other sign): those stay.
+        indices = indices[candidates.index_select(0, indices) > 0]
+        if indices.numel() == 0:
+            return indices, residual.new_empty(0, dtype=state.dtype)
+        mean = residual.index_select(0, indices).mean()
+        return indices, mean.reshape(1).to(state.dtype)
+
+    def _leave_residual(self, state: _TensorState, indices: torch.Tensor, sent: torch.Tensor) -> None:
+        """``V[sel] -= sent`` (zero unless rounded or quantized) and ``U[sel] = 0``."""
+        residual = state.residual
+        kept = residual.index_select(0, indices) - sent.to(residual.dtype).expand(indices.numel())
+        residual.index_copy_(0, indices, kept)
+        if state.momentum is not None:
+            state.momentum.index_fill_(0, indices, 0)
+
+
+class TopKCompressor(_SparseCompressor):
+    """Top-k sparsification without memory (``Compression.topk``): each sparse step sends
+    the ``k`` largest ``|G|`` in RGC's message format and drops the rest. Tensors with fewer
+    than ``min_size`` elements are sent dense. Combine with ``combine``."""
+
+    def __init__(self, ratio: float = 0.001, selection: str = "auto", min_size: int = DEFAULT_MIN_SIZE):
+        super().__init__(ratio, selection, min_size)
+
+    def prepare(self, name: str, grad: torch.Tensor, world_size: int) -> Plan:
+        """This rank's contribution for ``grad`` (see ``Plan``): dense below ``min_size``,
+        else a message with the top-k entries of ``grad``."""
+        state = self._state(name, grad)
+        _check_world_size(world_size)
+        if state.numel < self.min_size:
+            _require_finite(name, grad)
+            state.calls += 1
+            return Plan(dense=True, tensor=grad)
+        self._sparse_allowed(name, state)
+        _require_finite(name, grad)
+        state.calls += 1
+        flat = grad.reshape(-1)
+        indices = self._select(name, flat, state.k, state.thresholds[0])
+        return Plan(dense=False, message=encode(indices, flat.index_select(0, indices)), count=indices.numel())
+
+
+def check_optimizer(optimizer, momentum: float | None) -> None:
+    """Raise ``ValueError`` if ``momentum`` (the compressor's) is set and a param group of
+    ``optimizer`` also has a non-zero ``momentum``: momentum correction moves the momentum
+    into the compressor, and applying it twice would square its effect.
+
+    (Weight decay stays in the optimizer and is then applied outside the momentum; fold it
+    into the loss to have it inside, as ``SGD(momentum, weight_decay)`` has it.)"""
+    if momentum is None:
+        return
+    for number, group in enumerate(getattr(optimizer, "param_groups", [])):
+        value = group.get("momentum", 0) or 0
+        if value != 0:
+            raise ValueError(f"param group {number} of {type(optimizer).__name__} has momentum={value}, and "
+                             f"rgc(momentum={momentum}) applies momentum already; set momentum=0 in the optimizer; "
+                             f"rgc(momentum=...) applies it")
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _clip(update: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``update`` scaled by ``min(1, max_norm / ||update||)`` (no host sync)."""
+    scale = (max_norm / torch.linalg.vector_norm(update)).clamp_(max=1.0)
+    return update * scale
+
+
+def _require_finite(name: str, grad: torch.Tensor) -> None:
+    """``ValueError`` naming ``name`` if ``grad`` holds NaN or infinity (a cheap sum first)."""
+    if grad.numel() == 0 or math.isfinite(float(grad.sum(dtype=_accumulator(grad.dtype)))):
+        return
+    if not bool(torch.isfinite(grad).all()):
+        raise ValueError(f"gradient of {name!r} contains NaN or infinity; residual gradient compression needs "
+                         f"finite gradients (lower the learning rate, set clip_norm, or find where the loss "
+                         f"diverges)")
+
+
+def _check_grad(name, grad) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not isinstance(grad, torch.Tensor) or not grad.is_floating_point() or grad.is_sparse:
+        what = f"{grad.dtype} {grad.layout} tensor" if isinstance(grad, torch.Tensor) else type(grad).__name__
+        raise TypeError(f"gradient of {name!r} must be a dense floating-point tensor, got {what}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_ratio(ratio) -> float:
+    if not _is_number(ratio) or not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be a number in (0, 1], the share of each tensor sent per step "
+                         f"(e.g. ratio=0.001 for 0.1 %), got {ratio!r}")
+    return float(ratio)
+
+
+def _check_selection(selection) -> str:
+    if selection not in _METHODS:
+        raise ValueError(f"selection must be one of {', '.join(map(repr, _METHODS))} (see worker.selection), "
+                         f"got {selection!r}; 'auto' picks by tensor size")
+    return selection
+
+
+def _check_count(argument: str, value, hint: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{argument} must be an integer >= 0 ({hint}), got {value!r}")
+    return int(value)
+
+
+def _check_bool(argument: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{argument} must be True or False, got {value!r}")
+    return value
+
+
+def _check_momentum(momentum) -> float | None:
+    if momentum is None:
+        return None
+    if not _is_number(momentum) or not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be None or a number in [0, 1) (e.g. momentum=0.9), got {momentum!r}")
+    return float(momentum) if momentum else None
+
+
+def _check_clip(clip_norm) -> float | None:
+    if clip_norm is None:
+        return None
+    if not _is_number(clip_norm) or not 0 < clip_norm < math.inf:
+        raise ValueError(f"clip_norm must be None or a finite number > 0 (the global norm to clip to, e.g. "
+                         f"clip_norm=5.0), got {clip_norm!r}")
+    return float(clip_norm)
+
+
+def _check_world_size(world_size) -> int:
+    if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1 (the number of ranks), got {world_size!r}")
+    return int(world_size)
