@@ -545,3 +545,9 @@ def test_reset_forgets_state():
         comp.residual("w")
     assert comp.prepare("w", torch.randn(100), 1).dense  # warm-up starts over
     assert isinstance(Plan(dense=True), Plan)
+
+
+def test_mode_is_sparse_or_auto():
+    assert RGCCompressor().mode == "sparse" and TopKCompressor(mode="auto").mode == "auto"
+    with pytest.raises(ValueError, match="mode must be one of 'sparse', 'auto'"):
+        RGCCompressor(mode="dense")

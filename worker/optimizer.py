@@ -59,6 +59,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         runtime()  # must be initialized
+        if self._sparsifier is not None and process_set.included() and process_set.size() > 1:
+            setup = getattr(self._sparsifier, "setup", None)
+            if callable(setup):  # e.g. rgc(mode="auto") calibrates its cost model: every rank, here
+                setup({self._parameter_names[p]: p.numel() for p in self._requires_update}, process_set)
         # Outside its process set a rank trains alone: nothing to reduce, as with one rank.
         if process_set.included() and process_set.size() > 1:
             hook = _weak_hook(self)

@@ -68,6 +68,7 @@ small gradients once they grow). Messages carry values in the gradient's own dty
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 import sys
@@ -93,6 +94,8 @@ __all__ = [
 #: tensors cost little to allreduce (latency dominates), while sparsifying them would leave
 #: a bias with 1 of its 64 entries updated per step.
 DEFAULT_MIN_SIZE = 32768
+#: ``mode``: every large-enough tensor sparse, or as the calibrated cost model decides.
+MODES = ("sparse", "auto")
 #: int32 indices: sparse tensors must have fewer elements than this.
 MAX_SPARSE_NUMEL = 2**31
 
@@ -215,12 +218,20 @@ class _SparseCompressor:
 
     quantize = False
 
-    def __init__(self, ratio: float, selection: str, min_size: int):
+    def __init__(self, ratio: float, selection: str, min_size: int, mode: str = "sparse"):
         if sys.byteorder != "little":
             raise RuntimeError("sparse gradient messages are little-endian; this host is big-endian")
         self.ratio = _check_ratio(ratio)
         self.selection = _check_selection(selection)
         self.min_size = _check_count("min_size", min_size, "e.g. 32768 keeps tensors under 32 Ki elements dense")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}: 'sparse' sends "
+                             f"every tensor of at least min_size elements sparse, 'auto' asks the cost model")
+        self.mode = mode
+        #: mode="auto": the calibrated ``cost_model.CostModel`` (after ``setup``), and the
+        #: tensors it sends dense although they reach ``min_size``.
+        self.cost_model = None
+        self._dense_by_model: frozenset = frozenset()
         self._states: dict[str, _TensorState] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -242,6 +253,29 @@ class _SparseCompressor:
         total = torch.zeros(state.numel, dtype=values.dtype, device=state.device)
         total.index_add_(0, indices, values)
         return total.div_(world_size).to(state.dtype).reshape(state.shape)
+
+    def setup(self, named_sizes, process_set) -> None:
+        """Called by ``DistributedOptimizer`` on every rank when it is built, with
+        ``{name: numel}`` of the parameters. With ``mode="auto"`` this calibrates the job's
+        cost model (a collective: RedSync's T_sparse vs T_dense, ``worker/cost_model.py``)
+        and decides per tensor, identically on every rank; the decisions are logged once at
+        INFO on ``ringmaster.compression`` by the set's rank 0."""
+        if self.mode != "auto":
+            return
+        from ringmaster.worker import cost_model
+
+        model = cost_model.calibrated(process_set)
+        eligible = {name: numel for name, numel in named_sizes.items() if numel >= self.min_size}
+        self.cost_model = model
+        self._dense_by_model = frozenset(name for name, numel in eligible.items()
+                                         if not model.prefers_sparse(numel, self.ratio, quantized=self.quantize))
+        if eligible and process_set.rank() == 0:
+            logging.getLogger("ringmaster.compression").info(
+                "%s", cost_model.decision_log(model, eligible, self.ratio, quantized=self.quantize))
+
+    def _dense(self, name: str, state) -> bool:
+        """Whether ``name`` goes dense for a reason every rank shares: size or the cost model."""
+        return state.numel < self.min_size or name in self._dense_by_model
 
     def reset(self) -> None:
         """Forget all per-tensor state (residuals, momenta, step counts, thresholds)."""
@@ -298,13 +332,15 @@ class RGCCompressor(_SparseCompressor):
     masking; the user's optimizer must then have momentum 0. ``warmup_steps``: the first so
     many ``prepare`` calls of each tensor are dense. ``min_size``: tensors with fewer elements
     are always dense. ``clip_norm``: local clipping of each tensor's gradient to
-    ``clip_norm / sqrt(world_size)``.
+    ``clip_norm / sqrt(world_size)``. ``mode``: ``"sparse"`` sends every tensor of at least
+    ``min_size`` elements sparse; ``"auto"`` sends each the way RedSync's cost model,
+    calibrated on the job when the optimizer is built, predicts faster (see ``setup``).
     """
 
     def __init__(self, ratio: float = 0.001, selection: str = "auto", quantize: bool = False,
                  momentum: float | None = None, nesterov: bool = False, warmup_steps: int = 0,
-                 min_size: int = DEFAULT_MIN_SIZE, clip_norm: float | None = None):
-        super().__init__(ratio, selection, min_size)
+                 min_size: int = DEFAULT_MIN_SIZE, clip_norm: float | None = None, mode: str = "sparse"):
+        super().__init__(ratio, selection, min_size, mode)
         self.quantize = _check_bool("quantize", quantize)
         if self.quantize and self.selection == "sampled":
             raise ValueError("selection='sampled' cannot be used with quantize=True (RedSync 2.1.1); use "
@@ -323,7 +359,7 @@ class RGCCompressor(_SparseCompressor):
         the tensor if ``grad`` holds NaN or infinity (state is then left unchanged)."""
         state = self._state(name, grad)
         world_size = _check_world_size(world_size)
-        dense = state.numel < self.min_size or state.calls < self.warmup_steps
+        dense = self._dense(name, state) or state.calls < self.warmup_steps
         if not dense:
             self._sparse_allowed(name, state)
         _require_finite(name, grad)
@@ -412,15 +448,16 @@ class TopKCompressor(_SparseCompressor):
     the ``k`` largest ``|G|`` in RGC's message format and drops the rest. Tensors with fewer
     than ``min_size`` elements are sent dense. Combine with ``combine``."""
 
-    def __init__(self, ratio: float = 0.001, selection: str = "auto", min_size: int = DEFAULT_MIN_SIZE):
-        super().__init__(ratio, selection, min_size)
+    def __init__(self, ratio: float = 0.001, selection: str = "auto", min_size: int = DEFAULT_MIN_SIZE,
+                 mode: str = "sparse"):
+        super().__init__(ratio, selection, min_size, mode)
 
     def prepare(self, name: str, grad: torch.Tensor, world_size: int) -> Plan:
         """This rank's contribution for ``grad`` (see ``Plan``): dense below ``min_size``,
         else a message with the top-k entries of ``grad``."""
         state = self._state(name, grad)
         _check_world_size(world_size)
-        if state.numel < self.min_size:
+        if self._dense(name, state):
             _require_finite(name, grad)
             state.calls += 1
             return Plan(dense=True, tensor=grad)

@@ -248,6 +248,17 @@ for label, compressor in [("rgc ratio=0.05 with momentum", rm.Compression.rgc(ra
     train(label, plain_sgd, compression=compressor, tolerance=float("inf"))
 
 
+# mode="auto": the cost model, calibrated when the optimizer is built, sends these tiny
+# tensors dense (a sparse message's fixed cost outweighs any saving): the dense average.
+auto = rm.Compression.rgc(ratio=0.01, min_size=1, mode="auto")
+train("rgc mode=auto keeps tiny tensors dense", plain_sgd, compression=auto)
+report("rgc mode=auto calibrated its cost model", auto.cost_model is not None and auto.cost_model.size == SIZE,
+       repr(auto.cost_model))
+fields = torch.tensor([float(v) for v in auto.cost_model.as_dict().values()], dtype=torch.float64)
+gathered = rm.allgather(fields.unsqueeze(0), name="cost model fields")
+report("rgc mode=auto: the same model on every rank", all(torch.equal(gathered[0], row) for row in gathered))
+
+
 def refused(case, expected, **options):
     model = Net()
     try:
