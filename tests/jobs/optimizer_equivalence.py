@@ -248,12 +248,16 @@ for label, compressor in [("rgc ratio=0.05 with momentum", rm.Compression.rgc(ra
     train(label, plain_sgd, compression=compressor, tolerance=float("inf"))
 
 
-# mode="auto": the cost model, calibrated when the optimizer is built, sends these tiny
-# tensors dense (a sparse message's fixed cost outweighs any saving): the dense average.
+# mode="auto": the cost model, calibrated when the optimizer is built, decides per tensor;
+# every rank must hold the same model and so take the same decisions.
 auto = rm.Compression.rgc(ratio=0.01, min_size=1, mode="auto")
-train("rgc mode=auto keeps tiny tensors dense", plain_sgd, compression=auto)
+trained = train("rgc mode=auto", plain_sgd, compression=auto, tolerance=float("inf"))
 report("rgc mode=auto calibrated its cost model", auto.cost_model is not None and auto.cost_model.size == SIZE,
        repr(auto.cost_model))
+names = {name: p.numel() for group in trained.param_groups for p in group["params"] if p.requires_grad
+         for name in [trained._parameter_names[p]]}
+report("rgc mode=auto decides as the model predicts",
+       all((name in auto._dense_by_model) == (not auto.cost_model.prefers_sparse(n, 0.01)) for name, n in names.items()))
 fields = torch.tensor([float(v) for v in auto.cost_model.as_dict().values()], dtype=torch.float64)
 gathered = rm.allgather(fields.unsqueeze(0), name="cost model fields")
 report("rgc mode=auto: the same model on every rank", all(torch.equal(gathered[0], row) for row in gathered))
