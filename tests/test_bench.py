@@ -59,3 +59,14 @@ def test_selection_benchmark_prints_its_table():
     for method in ("torch.topk", "trimmed top-k", "threshold, search", "threshold, reuse", "sampled search"):
         assert re.search(rf"^ +64 Ki \| +1 \| {method} +\|", result.stdout, re.MULTILINE), result.stdout
     assert "64 Ki, 1 thread(s): repetition 1/1" in result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_compression_benchmark_prints_bytes_and_step_times():
+    result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "compression.py"),
+                          "--hidden", "256", "--rounds", "1", "--steps", "1", "--warmup", "1", "--ratio", "0.01"],
+                         timeout=80, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    rows = dict(re.findall(r"^\| (\w+) \| [0-9.]+ \| [0-9.]+ × \| [0-9.]+ \| ([0-9.]+) × \|$", result.stdout, re.MULTILINE))
+    assert set(rows) == {"dense", "fp16", "int8", "linear8", "rgc", "topk"}, result.stdout
+    assert float(rows["dense"]) == 1.0 and 3.9 <= float(rows["int8"]) <= 4.0 and float(rows["rgc"]) > 10, rows
