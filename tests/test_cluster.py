@@ -5,11 +5,18 @@ inside the first host, as one would log into a node of a real cluster and launch
 The tests skip, with the reason, where no cluster can be built (not root, no ``ip netns``,
 no ``/usr/sbin/sshd``: ``tests/cluster/setup.sh`` installs it). Every cluster is torn down
 after its test, whether the test passed or not.
+
+Jobs run one rank per host: across hosts the collectives and the training example give the
+numbers they give on one host; a host without a working sshd, or a rank killed on another
+host, ends the job in bounded time with a message naming the host; the coordinator refuses
+calls from another host that lack the job's token; and ringrun's ssh options reach the
+daemons Open MPI starts from other daemons (tree spawn).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,10 +25,12 @@ import time
 from pathlib import Path
 
 import pytest
-from mpijob import job_environment
+import torch
+from mpijob import JobResult, job_environment, run_command
 
 from cluster import netns_cluster as ncl
-from cluster.fixtures import netns_cluster, netns_cluster_factory, run_on  # noqa: F401
+from cluster.fixtures import (netns_cluster, netns_cluster_factory, run_on, start_on,  # noqa: F401
+                              wait_for_no_processes)
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_DIR = Path(__file__).resolve().parent / "cluster"
@@ -206,3 +215,266 @@ def test_ringrun_across_two_hosts(netns_cluster, interface):
         assert name == host.name
         assert (int(size), int(local_rank), int(local_size), int(cross_rank), int(cross_size)) == (2, 0, 1, rank, 2)
         assert float(small) == float(low) == float(high) == 3.0
+
+
+# --------------------------------------------------------------- jobs across hosts
+
+MATRIX = ROOT / "tests" / "jobs" / "collectives_matrix.py"
+HOLD = ROOT / "tests" / "jobs" / "cluster_hold.py"
+DIGITS = ROOT / "examples" / "pytorch_digits.py"
+DIGITS_EPOCHS = 2
+
+
+def ringrun_on_hosts(cluster: ncl.NetnsCluster, hosts, command, *options: str):
+    """``ringrun`` with one rank on each of ``hosts`` (through the cluster's key), running ``command``."""
+    return [sys.executable, "-m", "ringmaster.launch", "-np", str(len(hosts)), "-H", cluster.hosts_arg(1, hosts),
+            "--ssh-identity-file", cluster.key, *options, *command]
+
+
+def run_job(cluster: ncl.NetnsCluster, command, timeout: float) -> JobResult:
+    """Run ``command`` (a ``ringrun`` line) on the first host, as a :class:`JobResult`."""
+    done = run_on(cluster.hosts[0], command, timeout=timeout, env=job_environment(), cwd=str(ROOT))
+    return JobResult(done.returncode, done.stdout, done.stderr)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_hosts,options", [(2, ["--allreduce", "ring", "--network-interface", "eth0"]),
+                                               (3, ["--allreduce", "auto"])],
+                         ids=["2-hosts-ring", "3-hosts-auto"])
+def test_collectives_matrix_across_hosts(netns_cluster_factory, num_hosts, options):
+    """tests/jobs/collectives_matrix.py, every collective x dtype x reduction checked against
+    the single-process torch reference (as tests/test_collectives.py runs it on one host),
+    passes with one rank on each of 2 and 3 hosts."""
+    cluster = netns_cluster_factory(num_hosts)
+    result = run_job(cluster, ringrun_on_hosts(cluster, cluster.hosts, [sys.executable, str(MATRIX)], *options),
+                     timeout=100)
+    failures = [line for line in result.lines_starting("") if line.startswith(("FAIL", "got", "expected"))]
+    assert not failures, "\n".join(failures[:40])
+    done = result.lines_starting("DONE")
+    assert len(done) == num_hosts and len(set(done)) == 1 and done[0].endswith(" 0 failures"), result.output[-4000:]
+    assert result.returncode == 0, result.output[-4000:]
+
+
+def digits_command(checkpoint: Path):
+    """The training example for a few epochs, rank 0 saving its final state to ``checkpoint``."""
+    return [sys.executable, str(DIGITS), "--epochs", str(DIGITS_EPOCHS), "--checkpoint", str(checkpoint)]
+
+
+@pytest.fixture(scope="module")
+def one_host_digits(tmp_path_factory):
+    """``run(num_proc)``: examples/pytorch_digits.py on this machine alone (the root namespace),
+    once per number of ranks; returns (result, checkpoint path)."""
+    runs = {}
+
+    def run(num_proc: int):
+        if num_proc not in runs:
+            checkpoint = tmp_path_factory.mktemp(f"digits-one-host-{num_proc}") / "digits.pt"
+            command = [sys.executable, "-m", "ringmaster.launch", "-np", str(num_proc), "--oversubscribe",
+                       *digits_command(checkpoint)]
+            result = run_command(command, timeout=80, env=job_environment(), cwd=str(ROOT))
+            assert result.returncode == 0, result.output[-3000:]
+            runs[num_proc] = (result, checkpoint)
+        return runs[num_proc]
+
+    return run
+
+
+def training_record(stdout: str):
+    """Rank 0's loss and test accuracy after each epoch and its final line, without the timings."""
+    epochs = re.findall(r"epoch \d+: loss [0-9.]+ +test accuracy [0-9.]+", stdout)
+    final = re.findall(r"final test accuracy .*", stdout)
+    return epochs, final
+
+
+def tensor_differences(one, other, path="checkpoint"):
+    """Where two checkpoints (nested dicts and lists of tensors and numbers) differ in any bit."""
+    if isinstance(one, torch.Tensor):
+        same = isinstance(other, torch.Tensor) and one.dtype == other.dtype and torch.equal(one, other)
+        return [] if same else [path]
+    if isinstance(one, dict):
+        if not isinstance(other, dict) or one.keys() != other.keys():
+            return [f"{path} (keys)"]
+        return [d for key in one for d in tensor_differences(one[key], other[key], f"{path}[{key!r}]")]
+    if isinstance(one, (list, tuple)):
+        if not isinstance(other, (list, tuple)) or len(one) != len(other):
+            return [f"{path} (length)"]
+        return [d for i, (a, b) in enumerate(zip(one, other)) for d in tensor_differences(a, b, f"{path}[{i}]")]
+    return [] if one == other else [path]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("num_hosts,options", [(2, []), (3, ["--network-interface", "eth0"])],
+                         ids=["2-hosts", "3-hosts"])
+def test_digits_training_across_hosts_matches_one_host(netns_cluster_factory, one_host_digits, tmp_path,
+                                                       num_hosts, options):
+    """examples/pytorch_digits.py with one rank on each of 2 and 3 hosts prints the losses and
+    accuracies of the same run on one host, and ends with bit-identical weights and momentum."""
+    cluster = netns_cluster_factory(num_hosts)
+    checkpoint = tmp_path / "digits.pt"
+    result = run_job(cluster, ringrun_on_hosts(cluster, cluster.hosts, digits_command(checkpoint),
+                                               *options), timeout=80)
+    assert result.returncode == 0, result.output[-3000:]
+    one_host, one_host_checkpoint = one_host_digits(num_hosts)
+    epochs, final = training_record(result.stdout)
+    assert len(epochs) == DIGITS_EPOCHS and final and "(max difference 0.0e+00)" in final[0], result.stdout
+    assert (epochs, final) == training_record(one_host.stdout), (result.stdout, one_host.stdout)
+    assert f"training on {num_hosts} ranks" in result.stdout
+    differences = tensor_differences(torch.load(one_host_checkpoint), torch.load(checkpoint))
+    assert not differences, f"weights or optimizer state differ from the one-host run at {differences[:10]}"
+
+
+# --------------------------------------------------------------- failures across hosts
+
+START_TIMEOUT = 8
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failure", ["stopped", "hung"])
+def test_host_without_a_working_sshd_fails_the_launch_within_the_start_timeout(netns_cluster, failure):
+    """Host 2's sshd is gone (connection refused) or hangs (accepts, never answers): ringrun
+    ends within ``--start-timeout`` with Open MPI's and ssh's messages naming host 2, and
+    leaves nothing running. The hung case needs ssh's ConnectTimeout, which ringrun sets from
+    ``--start-timeout``; without it the launch waits forever."""
+    cluster = netns_cluster
+    first, second = cluster.hosts
+    if failure == "stopped":
+        second.sshd.kill()
+        second.sshd.wait()
+    else:
+        second.sshd.send_signal(signal.SIGSTOP)
+    command = ringrun_on_hosts(cluster, cluster.hosts, [sys.executable, "-c", "import ringmaster as rm; rm.init()"],
+                               "--start-timeout", str(START_TIMEOUT))
+    started = time.monotonic()
+    try:
+        result = run_job(cluster, command, timeout=START_TIMEOUT + 30)
+    finally:
+        if failure == "hung":
+            second.sshd.send_signal(signal.SIGCONT)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0, result.output
+    # the bound is the timeout itself plus ringrun's own start and teardown
+    assert elapsed < START_TIMEOUT + 5, f"ringrun took {elapsed:.1f} s with --start-timeout {START_TIMEOUT}"
+    assert re.search(rf"Remote host:\s+{re.escape(second.name)}\b", result.output), result.output
+    ssh_says = (f"connect to host {second.name} port 22: Connection refused" if failure == "stopped"
+                else f"Connection to {second.address} port 22 timed out")
+    assert ssh_says in result.output, result.output
+    assert wait_for_no_processes(cluster) == {}
+
+
+@pytest.mark.timeout(90)
+def test_killing_a_rank_on_the_second_host_ends_the_job(netns_cluster, tmp_path):
+    """SIGKILL of rank 1's python process on host 2, from inside host 2: the job ends within
+    30 s, the coordinator's message names rank 1, host 2 and the pid, and no process of the
+    job is left on any host."""
+    cluster = netns_cluster
+    first, second = cluster.hosts
+    command = ringrun_on_hosts(cluster, cluster.hosts, [sys.executable, str(HOLD), str(tmp_path / "stop"), "60"],
+                               "--network-interface", cluster.interface)
+    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        ready = {int(m[1]): (m[2], int(m[3]))
+                 for m in job.wait_for_matches(r"READY (\d+) (\S+) (\d+)", count=2, timeout=40)}
+        host, pid = ready[1]
+        assert host == second.name and pid in second.processes(), (ready, second.processes())
+        killed_at = time.monotonic()
+        second.run([sys.executable, "-c", f"import os, signal; os.kill({pid}, signal.SIGKILL)"], check=True)
+        returncode = job.wait(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    assert returncode != 0, job.output
+    assert elapsed < 30, f"the job took {elapsed:.1f} s to end after rank 1 was killed"
+    assert f"rank 1 (host {second.name}, pid {pid})" in job.output, job.output
+    assert wait_for_no_processes(cluster) == {}
+
+
+TOKEN_CLIENT = textwrap.dedent("""\
+    import os, sys, grpc
+    from ringmaster.coordinator.auth import call_metadata
+    from ringmaster.proto import ringmaster_pb2 as pb, ringmaster_pb2_grpc as pb_grpc
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(sys.argv[1]))
+    tokens = {"no": None, "wrong": call_metadata("0" * 64), "right": call_metadata(os.environ["JOB_TOKEN"])}
+
+    def ping(metadata):
+        stub.Ping(pb.Empty(), metadata=metadata, timeout=10)
+
+    def register(metadata):  # what a rank sends first: a stranger posing as rank 1
+        hello = pb.RankMessage(register=pb.Register(rank=1, size=2, hostname="stranger", pid=1))
+        for message in stub.Negotiate(iter([hello]), metadata=metadata, timeout=10):
+            print("ANSWERED", message.WhichOneof("kind"), flush=True)
+
+    for call, token in (("Ping", "no"), ("Ping", "wrong"), ("Negotiate", "no"), ("Negotiate", "wrong"),
+                        ("Ping", "right")):
+        try:
+            {"Ping": ping, "Negotiate": register}[call](tokens[token])
+            print("CALL", call, token, "OK", flush=True)
+        except grpc.RpcError as error:
+            print("CALL", call, token, error.code().name, error.details(), flush=True)
+""")
+
+
+def process_environment(pid: int) -> dict:
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        entries = handle.read().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+@pytest.mark.timeout(90)
+def test_coordinator_refuses_calls_from_another_host_without_the_token(netns_cluster, tmp_path):
+    """With the coordinator on host 1, a gRPC client on host 2 that dials the address the ranks
+    were given is refused (UNAUTHENTICATED) without the job's token or with a wrong one, for
+    Ping and for registering as a rank; with the token it gets through. The job goes on and
+    ends cleanly, and the token appears in no output."""
+    cluster = netns_cluster
+    first, second = cluster.hosts
+    stop = tmp_path / "stop"
+    command = ringrun_on_hosts(cluster, cluster.hosts, [sys.executable, str(HOLD), str(stop), "60"],
+                               "--network-interface", cluster.interface)
+    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        ready = {int(m[1]): int(m[3]) for m in job.wait_for_matches(r"READY (\d+) (\S+) (\d+)", count=2, timeout=40)}
+        environ = process_environment(ready[1])  # what rank 1 on host 2 was given
+        address, token = environ["RINGMASTER_COORDINATOR_ADDR"], environ["RINGMASTER_SECRET"]
+        assert address.rsplit(":", 1)[0] == first.address, address
+        client = second.run([sys.executable, "-c", TOKEN_CLIENT, address], timeout=40,
+                            env=job_environment({"JOB_TOKEN": token}), cwd=str(ROOT))
+        stop.touch()
+        returncode = job.wait(timeout=30)
+    calls = {tuple(line.split()[1:3]): line.split()[3:] for line in client.stdout.splitlines()
+             if line.startswith("CALL")}
+    assert len(calls) == 5, client.stdout + client.stderr
+    for call, token_kind in (("Ping", "no"), ("Ping", "wrong"), ("Negotiate", "no"), ("Negotiate", "wrong")):
+        code, *details = calls[call, token_kind]
+        assert code == "UNAUTHENTICATED", (call, token_kind, client.stdout)
+        assert "missing or wrong ringmaster job token" in " ".join(details)
+    assert calls["Ping", "right"] == ["OK"], client.stdout
+    assert "ANSWERED" not in client.stdout
+    assert returncode == 0, job.output
+    assert token not in job.output and token not in client.stdout + client.stderr
+
+
+# --------------------------------------------------------------- ssh options
+
+def test_ssh_options_are_words_open_mpi_passes_on_intact():
+    """Open MPI splits plm_ssh_args at spaces and forwards it to tree-spawned daemons cut at the
+    first '=': each option ringrun builds must be one word without '=' (ssh reads a tab as '=')."""
+    from ringmaster.launch.mpi_command import ssh_arguments
+    words = ssh_arguments(2222, "/k/id", 7.5).split(" ")
+    assert words == ["-p", "2222", "-i", "/k/id", "-o", "StrictHostKeyChecking\tno", "-o", "ConnectTimeout\t8"]
+    assert not any("=" in word for word in words)
+
+
+@pytest.mark.timeout(60)
+def test_ssh_options_survive_open_mpi_tree_spawn(netns_cluster_factory):
+    """With routed_radix 1, Open MPI's daemon on host 2 starts the one on host 3 with the ssh
+    options it was handed. ringrun's ``-o StrictHostKeyChecking=no`` used to reach it as
+    ``-o StrictHostKeyChecking`` (ssh: no argument), and the job failed without a word."""
+    from ringmaster.launch.mpi_command import OPENMPI, detect_mpi, find_mpirun
+    mpi = detect_mpi(find_mpirun())
+    if mpi.kind != OPENMPI or mpi.version[:1] < (5,):
+        pytest.skip(f"tree spawn is checked with Open MPI 5's --prtemca (this is {mpi.kind} {mpi.version})")
+    cluster = netns_cluster_factory(3)
+    mpi_args = "--prtemca routed_radix 1 --prtemca plm_base_verbose 5"
+    hostname = [sys.executable, "-c", "import socket; print('ON', socket.gethostname())"]
+    command = ringrun_on_hosts(cluster, cluster.hosts, hostname, "--start-timeout", "20", f"--mpi-args={mpi_args}")
+    result = run_job(cluster, command, timeout=50)
+    assert result.returncode == 0, result.output[-4000:]
+    assert sorted(result.lines_starting("ON")) == [host.name for host in cluster.hosts], result.output[-4000:]
+    # the launch really was a tree: host 3's daemon was not started by mpirun itself
+    assert "not a child of mine" in result.stderr and "--tree-spawn" in result.stderr, result.stderr[-4000:]

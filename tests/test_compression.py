@@ -18,3 +18,11 @@ def test_int8_and_linear8_allreduce_move_a_quarter_of_the_bytes(np):
     result = mpirun(np, (JOBS / "wire_compression.py").read_text(), timeout=140)
     assert_job_passed(result, np)
     assert len(result.lines_starting("BYTES")) == 2
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("np", [2, 4])
+def test_sparse_allgather_of_packed_messages_equals_the_dense_sum(np):
+    """Overlapping, disjoint and empty selections, float16/32/64, and RGC's own messages
+    (plain and quantized) through a real allgather."""
+    assert_job_passed(mpirun(np, (JOBS / "sparse_allgather.py").read_text(), timeout=90), np)

@@ -10,14 +10,20 @@ delay); after a test, whether it passed or failed, nothing of its clusters is le
 
 :func:`run_on` runs a command (e.g. ``ringrun``) on a cluster host, bounded in time, and kills
 its process group if it overruns; whatever it started on other hosts goes with the cluster.
+:func:`start_on` starts one in the background (a :class:`RunningCommand`, for tests that act on
+a job while it runs), and :func:`wait_for_no_processes` waits until nothing but the sshd
+listeners runs on the cluster's hosts.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
-from typing import List, Mapping, Optional, Sequence
+import threading
+import time
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import pytest
 
@@ -78,3 +84,99 @@ def _kill_group(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+class RunningCommand:
+    """A command started on a cluster host in its own process group; its output is collected
+    as it arrives. Use it as a context manager: on exit the group is killed if still running."""
+
+    def __init__(self, host: Host, command: Sequence[str], env: Optional[Mapping[str, str]] = None,
+                 cwd: Optional[str] = None):
+        self.host = host
+        self.command = list(command)
+        self.process = subprocess.Popen(host.command(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        stdin=subprocess.DEVNULL, text=True, env=env, cwd=cwd,
+                                        start_new_session=True)
+        self._streams: Dict[str, List[str]] = {"stdout": [], "stderr": []}
+        self._changed = threading.Condition()
+        self._readers = [threading.Thread(target=self._read, args=(pipe, name), daemon=True)
+                         for pipe, name in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr"))]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, pipe, name: str) -> None:
+        for line in pipe:
+            with self._changed:
+                self._streams[name].append(line)
+                self._changed.notify_all()
+
+    @property
+    def stdout(self) -> str:
+        with self._changed:
+            return "".join(self._streams["stdout"])
+
+    @property
+    def output(self) -> str:
+        """Everything it printed so far, stdout then stderr."""
+        with self._changed:
+            return "".join(self._streams["stdout"]) + "".join(self._streams["stderr"])
+
+    def wait_for_matches(self, pattern: str, count: int, timeout: float) -> List["re.Match"]:
+        """The first ``count`` stdout lines matching ``pattern`` (``re.search``); fails the test
+        with the output if they do not all come within ``timeout`` s or the command ends first."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                matches = [m for m in map(regex.search, self._streams["stdout"]) if m]
+                if len(matches) >= count:
+                    return matches[:count]
+                if self.process.poll() is not None and not any(r.is_alive() for r in self._readers):
+                    break
+                if time.monotonic() > deadline:
+                    break
+                self._changed.wait(0.1)
+        pytest.fail(f"{count} lines matching {pattern!r} did not come within {timeout} s on {self.host.name} "
+                    f"(exit status {self.process.poll()}):\n{self.output}")
+
+    def wait(self, timeout: float) -> int:
+        """Its exit status; fails the test (after killing the group) if it runs longer than ``timeout`` s."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"did not finish within {timeout} s on {self.host.name}: {' '.join(self.command)}\n"
+                        f"{self.output}")
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL its process group (what it started on other hosts goes with the cluster)."""
+        _kill_group(self.process)
+        self.process.wait()
+
+    def __enter__(self) -> "RunningCommand":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            self.kill()
+        _kill_group(self.process)  # stray children (a coordinator, prterun) of a finished command
+
+
+def start_on(host: Host, command: Sequence[str], env: Optional[Mapping[str, str]] = None,
+             cwd: Optional[str] = None) -> RunningCommand:
+    """Start ``command`` on ``host`` in the background (see :class:`RunningCommand`)."""
+    return RunningCommand(host, command, env=env, cwd=cwd)
+
+
+def wait_for_no_processes(cluster: NetnsCluster, timeout: float = 10.0) -> Dict[str, Dict[int, str]]:
+    """Wait until only the sshd listeners run on the cluster's hosts; return what is still
+    running then (``{host name: {pid: command line}}``, empty when nothing is)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {host.name: procs for host in cluster.hosts if (procs := host.processes())}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)

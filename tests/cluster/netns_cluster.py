@@ -347,6 +347,22 @@ class Host:
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         return subprocess.run(self.command(argv), text=True, timeout=timeout, check=check, **kwargs)
 
+    def processes(self) -> Dict[int, str]:
+        """``{pid: command line}`` of what runs on this host, its sshd listener excepted
+        (sessions it started, daemons and ranks are included; zombies are not)."""
+        found = {}
+        for pid in _netns_pids(self.namespace):
+            if self.sshd is not None and pid == self.sshd.pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                    cmdline = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue  # it ended meanwhile
+            if cmdline:
+                found[pid] = cmdline
+        return found
+
 
 Shape = Union[None, str, Sequence[Optional[str]]]
 

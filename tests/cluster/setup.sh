@@ -1,26 +1,34 @@
 #!/usr/bin/env bash
-# CI set-up for the network-namespace test cluster (tests/cluster/netns_cluster.py):
-# install Debian's openssh-server so each namespace host can run its own sshd.
+# Set-up for the multi-host tests (tests/cluster/netns_cluster.py, run by tests/test_cluster.py):
+# install what a network-namespace test cluster needs and this machine lacks, with apt:
+# openssh-server (an sshd in each namespace host), openssh-client (ssh, ssh-keygen) and
+# iproute2 (ip, tc).
 #
-# Best effort: when it cannot install (not root, no apt-get, no mirror reachable) it says
-# why and exits 0, and the cluster tests then skip with the reason. Nothing is started:
-# the package's postinst would start an sshd in this machine's own network namespace, so a
-# policy-rc.d that forbids starting services is put in place for the install (and removed
-# again if this script created it).
+# Safe to run anywhere, and again: when everything is there it only says so; when it cannot
+# install (not root, no apt-get, no mirror reachable) it says why and exits 0, and the cluster
+# tests then skip with the reason. Nothing is started: openssh-server's postinst would start
+# an sshd in this machine's own network namespace, so a policy-rc.d that forbids starting
+# services is put in place for the install (and removed again if this script created it).
 set -uo pipefail
 
 say() { echo "tests/cluster/setup.sh: $*" >&2; }
+have() { command -v "$1" >/dev/null 2>&1; }
 
-if [ -x /usr/sbin/sshd ]; then
-    say "sshd already installed ($(/usr/sbin/sshd -V 2>&1 | head -n1))"
+packages=()
+[ -x /usr/sbin/sshd ] || packages+=(openssh-server)
+{ have ssh && have ssh-keygen; } || packages+=(openssh-client)
+{ have ip && have tc; } || packages+=(iproute2)
+
+if [ "${#packages[@]}" = 0 ]; then
+    say "nothing to install ($(/usr/sbin/sshd -V 2>&1 | head -n1); ip and tc present)"
     exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
-    say "not root; skipping the openssh-server install (the cluster tests will skip)"
+    say "not root; not installing ${packages[*]} (the cluster tests will skip)"
     exit 0
 fi
-if ! command -v apt-get >/dev/null; then
-    say "no apt-get; install an OpenSSH server (sshd) by hand to run the cluster tests"
+if ! have apt-get; then
+    say "no apt-get; install ${packages[*]} by hand to run the cluster tests (they will skip)"
     exit 0
 fi
 
@@ -38,11 +46,11 @@ trap cleanup EXIT
 apt=(apt-get -o APT::Sandbox::User=root -o Dpkg::Use-Pty=0 -q)
 export DEBIAN_FRONTEND=noninteractive
 if ! timeout 120 "${apt[@]}" update >/dev/null; then
-    say "apt-get update failed; the cluster tests will skip"
+    say "apt-get update failed; not installing ${packages[*]} (the cluster tests will skip)"
     exit 0
 fi
-if ! timeout 300 "${apt[@]}" install -y --no-install-recommends openssh-server >/dev/null; then
-    say "apt-get install openssh-server failed; the cluster tests will skip"
+if ! timeout 300 "${apt[@]}" install -y --no-install-recommends "${packages[@]}" >/dev/null; then
+    say "apt-get install ${packages[*]} failed (the cluster tests will skip)"
     exit 0
 fi
-say "installed $(/usr/sbin/sshd -V 2>&1 | head -n1)"
+say "installed ${packages[*]} ($(/usr/sbin/sshd -V 2>&1 | head -n1))"
