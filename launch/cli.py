@@ -223,6 +223,8 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         export_names=exported_names(job_environment(base_env, "", "")),
         oversubscribe=args.oversubscribe, network_interface=args.network_interface,
         ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
+        # a remote host whose sshd hangs must fail the launch within the start timeout
+        ssh_connect_timeout=None if all_local(hosts) else config.start_timeout_s,
         run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0, mpi_args=mpi_args,
     )
     build_command(mpi, spec)  # refuses what this MPI cannot do, before anything starts

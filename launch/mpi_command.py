@@ -13,6 +13,7 @@ and :func:`mpich_command`, chosen in :func:`build_command`.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import shutil
@@ -56,6 +57,7 @@ class LaunchSpec:
         oversubscribe: allow more ranks than slots.
         network_interface: restrict MPI's TCP traffic to this interface.
         ssh_port / ssh_identity_file: how MPI reaches remote hosts.
+        ssh_connect_timeout: seconds ssh may take to reach a host (with an ssh flag only).
         run_as_root: add Open MPI's ``--allow-run-as-root``.
         mpi_args: extra arguments for mpirun, placed after ringrun's own (so they win).
     """
@@ -69,6 +71,7 @@ class LaunchSpec:
     network_interface: Optional[str] = None
     ssh_port: Optional[int] = None
     ssh_identity_file: Optional[str] = None
+    ssh_connect_timeout: Optional[float] = None
     run_as_root: bool = False
     mpi_args: Sequence[str] = field(default_factory=list)
 
@@ -127,17 +130,30 @@ def hostfile_text(kind: str, hosts: Sequence[Host]) -> str:
     return "".join(f"{host.name}:{host.slots}\n" for host in hosts)
 
 
-def ssh_arguments(port: Optional[int], identity_file: Optional[str]) -> Optional[str]:
-    """The ssh options string for the launcher, or ``None`` when no ssh flag was given."""
-    if port is None and identity_file is None:
+def ssh_arguments(port: Optional[int], identity_file: Optional[str],
+                  connect_timeout: Optional[float] = None) -> Optional[str]:
+    """The ssh options string for the launcher, or ``None`` when there is nothing to pass.
+
+    ``connect_timeout`` (seconds) bounds ssh's connection and handshake, so a host whose
+    sshd hangs fails the launch instead of blocking it forever.
+
+    Open MPI splits this string at spaces (quotes are not honoured), and when it starts its
+    daemons as a tree (``plm_ssh_no_tree_spawn`` unset) it hands the string on to them cut at
+    the first ``=``. So every ``-o`` option is one word with a tab, which ssh accepts like
+    ``=``, between keyword and value.
+    """
+    if port is None and identity_file is None and connect_timeout is None:
         return None
     parts = []
     if port is not None:
         parts += ["-p", str(port)]
     if identity_file is not None:
         parts += ["-i", identity_file]
-    parts += ["-o", "StrictHostKeyChecking=no"]
-    return shlex.join(parts)
+    if port is not None or identity_file is not None:
+        parts += ["-o", "StrictHostKeyChecking\tno"]
+    if connect_timeout is not None:
+        parts += ["-o", f"ConnectTimeout\t{max(1, math.ceil(connect_timeout))}"]
+    return " ".join(parts)
 
 
 def _chooses_binding(mpi_args) -> bool:
@@ -170,7 +186,7 @@ def openmpi_command(mpi: MpiImplementation, spec: LaunchSpec) -> List[str]:
     if spec.network_interface:
         args += ["--mca", "btl_tcp_if_include", spec.network_interface,
                  "--mca", "oob_tcp_if_include", spec.network_interface]
-    ssh = ssh_arguments(spec.ssh_port, spec.ssh_identity_file)
+    ssh = ssh_arguments(spec.ssh_port, spec.ssh_identity_file, spec.ssh_connect_timeout)
     if ssh is not None:
         # Open MPI 5 (PRRTE) reads plm_ssh_args and ignores OMPI_MCA_plm_rsh_args.
         args += ["--mca", "plm_ssh_args" if v5 else "plm_rsh_args", ssh]

@@ -214,8 +214,14 @@ def test_openmpi_network_interface_and_ssh():
     assert "--mca btl_tcp_if_include eth1 --mca oob_tcp_if_include eth1" in text
     assert _pairs(command, "--mca")[-1] == "plm_ssh_args"
     ssh = command[command.index("plm_ssh_args") + 1]
-    assert shlex.split(ssh) == ["-p", "2222", "-i", "/k/id", "-o", "StrictHostKeyChecking=no"]
+    assert ssh.split(" ") == ["-p", "2222", "-i", "/k/id", "-o", "StrictHostKeyChecking\tno"]
     assert "plm_rsh_args" in build_command(OMPI4, _spec(ssh_port=22))
+
+
+def test_remote_hosts_get_an_ssh_connect_timeout_even_without_ssh_flags():
+    command = build_command(OMPI5, _spec(ssh_connect_timeout=7.5))
+    ssh = command[command.index("plm_ssh_args") + 1]
+    assert ssh.split(" ") == ["-o", "ConnectTimeout\t8"]
 
 
 def test_openmpi4_tag_flag():
