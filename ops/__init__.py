@@ -17,7 +17,7 @@ from .allreduce import allreduce, choose_algorithm
 from .dtypes import SUPPORTED_DTYPES, SUPPORTED_OPS
 from .mpi_collectives import allgatherv, alltoallv, broadcast, mpi_allreduce, reducescatter
 from .quantized_ring import quantized_ring_allreduce
-from .ring import ring_allreduce
+from .ring import DEFAULT_SEGMENT_BYTES, NETWORK_SEGMENT_BYTES, ring_allreduce
 
 __all__ = [
     "SUPPORTED_DTYPES",

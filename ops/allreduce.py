@@ -13,7 +13,7 @@ from mpi4py import MPI
 from . import _checks
 from .dtypes import scale_in_place
 from .mpi_collectives import mpi_allreduce
-from .ring import ring_allreduce
+from .ring import DEFAULT_SEGMENT_BYTES, ring_allreduce
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -85,7 +85,8 @@ def choose_algorithm(nbytes: int, comm_size: int, dtype, op: str) -> str:
 
 
 def allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
-              algorithm: str = "auto", source: np.ndarray = None, scale: float = None) -> np.ndarray:
+              algorithm: str = "auto", source: np.ndarray = None, scale: float = None,
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> np.ndarray:
     """Allreduce ``buffer`` in place across ``comm``; return it.
 
     Args:
@@ -98,6 +99,7 @@ def allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
             ``buffer``, and ``source`` is left as it was (out-of-place allreduce, no copy).
         scale: multiply the result by this (floating-point buffers only). The ring scales
             each chunk once, by the rank that finishes reducing it, while it is in cache.
+        segment_bytes: the ring's segment size (``ring.NETWORK_SEGMENT_BYTES`` across hosts).
     """
     name = "allreduce"
     _checks.check_comm(comm, name)
@@ -111,7 +113,7 @@ def allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",
     if scale is not None and buffer.dtype.kind != "f":
         raise ValueError(f"{name}: scale applies to floating-point buffers, got {buffer.dtype}")
     if algorithm == "ring":
-        return ring_allreduce(comm, buffer, op, source=source, scale=scale)
+        return ring_allreduce(comm, buffer, op, segment_bytes=segment_bytes, source=source, scale=scale)
     mpi_allreduce(comm, buffer, op, source=source)
     if scale is not None and scale != 1.0:
         scale_in_place(buffer, scale)

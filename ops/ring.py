@@ -45,6 +45,18 @@ from .waiting import wait, wait_all
 #: 1 MiB was ahead slightly more often at 2 ranks and from 4 MiB up, where the ring is used.
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
 
+#: Segment size when the ranks talk over a network (Open MPI's TCP transport). Measured with
+#: ``bench/ring_vs_mpi.py --segments`` across two namespace hosts on 1 Gbit/s links
+#: (``bench/cluster.py``'s cluster; median ms of 3, MPI_Allreduce 143 and 570 ms):
+#:
+#:   segment     256 KiB   1 MiB   2 MiB   4 MiB   8 MiB   16 MiB   32 MiB
+#:   16 MiB         -        -      205      -      141      -        142
+#:   64 MiB        664      994    1020     981     701      567      568
+#:
+#: Small segments leave the link half idle over TCP (many rendezvous in flight at once);
+#: from 16 MiB the ring moves data at the line rate, as MPI does.
+NETWORK_SEGMENT_BYTES = 16 * 1024 * 1024
+
 #: Receives kept posted ahead of the segment being reduced, plus one (one scratch
 #: segment each). 3 and 4 measured no better than 2.
 RECEIVE_DEPTH = 2

@@ -103,11 +103,15 @@ class Executor:
         on_join: called with the last joined rank when a JOIN completes.
         on_fatal: called with the error when this rank can no longer run collectives.
         nice: the thread's nice value (0: as the training loop; 19: only on spare cycles).
+        across_hosts: the job spans several hosts (its ring segments are sized for a network).
     """
 
     def __init__(self, comm, table: TensorTable, allreduce_algorithm: str,
-                 on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0):
+                 on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0,
+                 across_hosts: bool = False):
         self.nice = nice
+        # Over a network the ring moves data at the line rate only in large segments.
+        self.segment_bytes = ops.NETWORK_SEGMENT_BYTES if across_hosts else ops.DEFAULT_SEGMENT_BYTES
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -346,7 +350,8 @@ class Executor:
             scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
                 else response.postscale_factor
         ops.allreduce(group.comm, array, reduction, self.algorithm,
-                      source=None if source is None else flat_array(source), scale=scale)
+                      source=None if source is None else flat_array(source), scale=scale,
+                      segment_bytes=self.segment_bytes)
         if recording is not None:
             recording.end(response.names)
         if scale is None:

@@ -45,7 +45,8 @@ class Runtime:
         self.process_sets = {0: global_process_set}
         self.endpoint: CoordinatorEndpoint = find_coordinator(comm, config)
         self.executor = Executor(comm, self.table, config.allreduce_algorithm,
-                                 on_join=self._joined, on_fatal=self.fail, nice=config.background_nice)
+                                 on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
+                                 across_hosts=self.cross_size > 1)
         self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s)
         self.client = CoordinatorClient(
             self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
