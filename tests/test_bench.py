@@ -70,3 +70,20 @@ def test_compression_benchmark_prints_bytes_and_step_times():
     rows = dict(re.findall(r"^\| (\w+) \| [0-9.]+ \| [0-9.]+ × \| [0-9.]+ \| ([0-9.]+) × \|$", result.stdout, re.MULTILINE))
     assert set(rows) == {"dense", "fp16", "int8", "linear8", "rgc", "topk"}, result.stdout
     assert float(rows["dense"]) == 1.0 and 3.9 <= float(rows["int8"]) <= 4.0 and float(rows["rgc"]) > 10, rows
+
+
+@pytest.mark.timeout(120)
+def test_cluster_benchmark_runs_across_shaped_hosts():
+    sys.path.insert(0, str(BENCH.parent / "tests" / "cluster"))
+    import netns_cluster
+
+    reason = netns_cluster.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    result = run_command([sys.executable, str(BENCH / "cluster.py"), "--rate", "1gbit", "--sizes", "1M",
+                          "--reps", "1", "--skip-training"], timeout=110, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    assert re.search(r"raw TCP, one stream: [0-9.]+ MB/s", result.stdout), result.stdout
+    for name in ("ringmaster", "ringmaster int8", "mpi4py"):
+        assert re.search(rf"^\| 1 MiB \| {name} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ × \|$", result.stdout, re.MULTILINE), \
+            result.stdout
