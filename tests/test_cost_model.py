@@ -280,7 +280,9 @@ def test_calibration_on_a_real_job(np):
     assert params["size"] == np
     for name in ("alpha", "beta", "gamma1", "gamma2", "select_s_per_element"):
         assert params[name] > 0, (name, params)
-    assert 1e-6 < params["alpha"] < 50e-3, params
+    # alpha is the data's latency without the coordinator round trip: on shared memory it
+    # can be lost in timing noise and sit at the floor.
+    assert cost_model.MIN_ALPHA <= params["alpha"] < 50e-3, params
     assert 1e-12 < params["beta"] < 1e-6, params
     assert 1e-11 < params["gamma1"] < 1e-5, params        # 10 ps .. 10 us per scattered entry
     assert 1e-13 < params["gamma2"] < 1e-6, params        # 0.1 ps .. 1 us per added element
