@@ -63,7 +63,7 @@ class FP16Compressor(Compressor):
         return tensor if ctx is None else tensor.to(ctx)
 
 
-class WireCompressor(Compressor):
+class WireCompressor(NoneCompressor):
     """A wire format: the tensor is handed over as it is and the allreduce moves 8-bit codes.
 
     ``compress``/``decompress`` pass tensors through; ``wire_format`` names the encoding
@@ -72,14 +72,6 @@ class WireCompressor(Compressor):
     """
 
     wire_format = ""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
 
 
 class Int8Compressor(WireCompressor):

@@ -265,15 +265,7 @@ class Executor:
         self._reduce_in_place(buffer, response, group)
         if recording is not None:
             recording.begin(response.names, "MEMCPY_OUT_FUSION_BUFFER")
-        done = []
-        for entry, part, shape in zip(entries, buffer.split(sizes), shapes):
-            if entry is None:
-                continue
-            if entry.output is None:
-                done.append((entry, part.to(dtype, copy=True).view(shape)))
-            else:
-                entry.output.reshape(-1).copy_(part)
-                done.append((entry, entry.output))
+        done = _copy_out(entries, buffer, sizes, shapes, dtype)
         if recording is not None:
             recording.end(response.names)
         # Complete only after every copy: a woken caller would otherwise fight this thread for the GIL.
@@ -303,16 +295,7 @@ class Executor:
                                      scale=scale)
         if recording is not None:
             recording.end(response.names)
-        done = []
-        for entry, part, shape in zip(entries, buffer.split(sizes), shapes):
-            if entry is None:
-                continue
-            if entry.output is None:
-                done.append((entry, part.to(dtype, copy=True).view(shape)))
-            else:
-                entry.output.reshape(-1).copy_(part)
-                done.append((entry, entry.output))
-        for entry, result in done:
+        for entry, result in _copy_out(entries, buffer, sizes, shapes, dtype):
             self._complete(entry, result)
 
     def _allreduce_alone(self, entry: Optional[Entry], shape, dtype: torch.dtype, response: pb.Response,
@@ -459,6 +442,20 @@ class Executor:
         entry = self._take(response, response.names[0])
         if entry is not None:
             self._complete(entry, True)
+
+
+def _copy_out(entries, buffer: torch.Tensor, sizes, shapes, dtype: torch.dtype) -> list:
+    """(entry, result) for each entry: its part of the fused ``buffer``, in its output or a new tensor."""
+    done = []
+    for entry, part, shape in zip(entries, buffer.split(sizes), shapes):
+        if entry is None:  # this rank joined
+            continue
+        if entry.output is None:
+            done.append((entry, part.to(dtype, copy=True).view(shape)))
+        else:
+            entry.output.reshape(-1).copy_(part)
+            done.append((entry, entry.output))
+    return done
 
 
 @functools.lru_cache(maxsize=None)
