@@ -61,6 +61,8 @@ EXACT_BELOW = 1 << 18
 SAMPLED_FROM = 1 << 22
 
 _CPU_CHUNK = 1 << 20
+#: Entries ``trimmed_topk`` takes its mean and max from, for tensors four times larger.
+STATS_SAMPLE = 1 << 16
 
 
 @dataclasses.dataclass
@@ -92,9 +94,10 @@ def topk_exact(values: torch.Tensor, k: int) -> torch.Tensor:
 def trimmed_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     """Exactly ``min(k, n)`` indices of the largest ``|values|``, ascending (Algorithm 2).
 
-    With ``mean`` and ``max`` of ``|values|``, tries ``threshold = mean + ratio * (max -
-    mean)`` for ratio 0.8, 0.6, 0.4, 0.2, 0.0 until at least ``k`` entries are above it,
-    then runs ``torch.topk`` on those survivors only. (The paper's listing loops ``while
+    With ``mean`` and ``max`` of ``|values|`` (of a strided sample of ``STATS_SAMPLE``
+    entries for large tensors), takes the highest ``threshold = mean + ratio * (max - mean)``
+    for ratio 0.8, 0.6, 0.4, 0.2, 0.0 that at least ``k`` entries exceed (all five counted
+    in one pass), then runs ``torch.topk`` on those survivors only. (The paper's listing loops ``while
     nnz > k``; its text, followed here, lowers the threshold while fewer than ``k`` pass.)
     Any threshold with at least ``k`` survivors gives the exact top-k, so the result is the
     same set as ``torch.topk`` (up to which of several equal magnitudes at the k-th place
@@ -107,13 +110,18 @@ def trimmed_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     if k == 0 or k >= n:
         _require_finite(values)
         return _topk_all(values, k)
-    mean, biggest = _abs_mean_max(values)
-    if biggest == 0.0:  # all zeros: any k entries are the top k
+    mean, biggest = _abs_mean_max(_stats_sample(values))
+    if biggest == 0.0 and not bool(values.any()):  # all zeros: any k entries are the top k
         return _arange(k, values.device)
     steps = round(1 / TRIM_STEP)
-    for step in range(steps):
-        threshold = mean + (steps - 1 - step) * TRIM_STEP * (biggest - mean)
-        if _count_above(values, threshold) >= k:
+    thresholds = [mean + (steps - 1 - step) * TRIM_STEP * (biggest - mean) for step in range(steps)]
+    # All of Algorithm 2's thresholds are known once mean and max are: count them in one
+    # pass (each chunk's magnitudes compared in cache) rather than one pass per step.
+    counts, total = _counts_above(values, thresholds)
+    if not math.isfinite(total):
+        _require_finite(values)
+    for threshold, count in zip(thresholds, counts):
+        if count >= k:
             return _topk_among(values, _indices_above(values, threshold), k)
     return _topk_all(values, k)
 
@@ -326,6 +334,36 @@ def _count_above(values: torch.Tensor, threshold: float) -> int:
         # A float32 sum of at most 2**24 ones is exact, and much faster than count_nonzero on CPU.
         total += int(flags.sum(dtype=torch.float32) if flags.numel() <= 1 << 24 else torch.count_nonzero(flags))
     return total
+
+
+def _stats_sample(values: torch.Tensor) -> torch.Tensor:
+    """``values`` itself, or for large tensors an evenly strided sample of ``STATS_SAMPLE``
+    entries: the thresholds only steer how many entries survive to the final exact top-k
+    (any threshold that leaves at least k gives the same result), so their mean and max
+    need not be exact, and sampling saves a full pass."""
+    n = values.numel()
+    if n <= 4 * STATS_SAMPLE:
+        return values
+    return values[::n // STATS_SAMPLE].contiguous()
+
+
+def _counts_above(values: torch.Tensor, thresholds) -> list:
+    """How many ``|values|`` exceed each of ``thresholds``, and the sum of ``|values|`` (not
+    finite if any value is NaN or infinite), in one pass over ``values``."""
+    totals = [0] * len(thresholds)
+    magnitude_sum = 0.0
+    flags = None
+    for chunk in _chunks(values):
+        magnitudes = chunk.abs()
+        magnitude_sum += float(magnitudes.sum(dtype=_accumulator(values)))
+        if flags is None or flags.numel() != magnitudes.numel():
+            flags = torch.empty_like(magnitudes)
+        for index, threshold in enumerate(thresholds):
+            torch.gt(magnitudes, threshold, out=flags)  # 1.0/0.0 in the values' dtype
+            # A float32 sum of at most 2**24 ones is exact, and faster than count_nonzero on CPU.
+            totals[index] += int(flags.sum(dtype=torch.float32) if flags.numel() <= 1 << 24
+                                 else torch.count_nonzero(flags))
+    return totals, magnitude_sum
 
 
 def _indices_above(values: torch.Tensor, threshold: float) -> torch.Tensor:
