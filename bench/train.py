@@ -10,7 +10,9 @@ round by round in the same processes, so that load on a shared machine hits all 
 
 - ``no-comm``: every rank trains on its own, with no communication at all (the ceiling);
 - ``ringmaster``: ``rm.DistributedOptimizer`` (gradients allreduced from hooks during backward);
-- ``ddp-gloo``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group.
+- ``ddp-gloo``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group;
+- ``naive-mpi``: after backward, one blocking mpi4py ``Allreduce`` per gradient (no overlap,
+  no fusion, no negotiation): the simplest correct loop, for reference.
 
 A step is zero_grad, forward, backward and optimizer step; its time is the slowest rank's.
 Prints the median step time, the throughput (images/s over all ranks) and its ratio to
@@ -42,7 +44,7 @@ import ringmaster as rm
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 import benchmark_models  # examples/benchmark_models.py
 
-MODES = ("no-comm", "ringmaster", "ddp-gloo")
+MODES = ("no-comm", "ringmaster", "ddp-gloo", "naive-mpi")
 
 
 def progress(text):
@@ -76,7 +78,26 @@ class Trainer:
         self.optimizer.step()
 
 
-def make_trainers(model_name, batch_size):
+class NaiveMpiTrainer(Trainer):
+    """Blocking MPI allreduces of every gradient after backward, then the optimizer step."""
+
+    def __init__(self, model, optimizer, batch, comm):
+        super().__init__(model, optimizer, batch)
+        self.comm = comm
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def step(self):
+        from mpi4py import MPI
+
+        self.optimizer.zero_grad()
+        F.cross_entropy(self.model(self.images), self.labels).backward()
+        for parameter in reversed(self.parameters):  # the order backward produced them in
+            self.comm.Allreduce(MPI.IN_PLACE, parameter.grad.numpy())
+            parameter.grad.div_(self.comm.Get_size())
+        self.optimizer.step()
+
+
+def make_trainers(model_name, batch_size, comm):
     """One trainer per mode, each with its own copy of the model (the same initial weights)."""
     batch = benchmark_models.synthetic_batch(batch_size, seed=rm.rank())
     trainers = {}
@@ -89,7 +110,10 @@ def make_trainers(model_name, batch_size):
             rm.broadcast_parameters(model.state_dict(), root_rank=0)
         elif mode == "ddp-gloo":
             model = DistributedDataParallel(model)  # broadcasts rank 0's weights itself
-        trainers[mode] = Trainer(model, optimizer, batch)
+        if mode == "naive-mpi":
+            trainers[mode] = NaiveMpiTrainer(model, optimizer, batch, comm)
+        else:
+            trainers[mode] = Trainer(model, optimizer, batch)
     return trainers
 
 
@@ -206,9 +230,12 @@ def main():
     rm.init()
     torch.set_num_threads(args.threads)
     init_gloo()
+    from mpi4py import MPI
+
+    naive_comm = MPI.COMM_WORLD.Dup()  # the naive loop's own traffic, apart from ringmaster's
     rows, traces = [], []
     for model_name in args.models.split(","):
-        trainers = make_trainers(model_name, args.batch_size)
+        trainers = make_trainers(model_name, args.batch_size, naive_comm)
         medians = measure(trainers, args.rounds, args.steps, args.warmup, model_name)
         parameters = benchmark_models.parameter_count(trainers["no-comm"].model)
         rows.extend((model_name, parameters, mode, seconds) for mode, seconds in medians.items())
@@ -231,6 +258,7 @@ def main():
         for rank_traces in zip(*traces_of_ranks):  # model by model, rank by rank
             print("\n".join(rank_traces))
     dist.destroy_process_group()
+    naive_comm.Free()
     rm.shutdown()
 
 
