@@ -159,7 +159,8 @@ def record_step(trainer):
 
     Returns (backward end, step end, {parameter: (shape, submitted, started, finished)}), in
     ms since backward started. "submitted" is when the parameter's hook handed its gradient
-    over (the start of negotiation), "started" when its allreduce began to run.
+    over (to negotiation, or to the fixed gradient plan from the second step on), "started"
+    when its allreduce began to run.
     """
     optimizer, model = trainer.optimizer, trainer.model
     shapes = {f"DistributedOptimizer.{name}": tuple(p.shape) for name, p in model.named_parameters()}
@@ -186,7 +187,8 @@ def record_step(trainer):
         first = {}
         for activity, begin, end in spans.get(name, []):
             first.setdefault(activity, (begin, end))
-        submitted = first.get("NEGOTIATE_ALLREDUCE", (None,))[0]
+        # Handed over by its hook: to the coordinator (negotiated alone), or to the step's fixed plan.
+        submitted = first.get("NEGOTIATE_ALLREDUCE", first.get("READY", (None,)))[0]
         started, finished = first.get("ALLREDUCE", (None, None))
         gradients[name.removeprefix("DistributedOptimizer.")] = (
             shape, *(ms(moment) if moment is not None else None for moment in (submitted, started, finished)))

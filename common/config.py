@@ -40,6 +40,9 @@ class Config:
             lets it run only on cycles the training loop leaves; 0 gives it equal priority.
         timeline: record a timeline from ``init()`` to this path; ``{rank}`` in it is replaced
             by the rank, and without ``{rank}`` only rank 0 records.
+        gradient_plan: after its first step, DistributedOptimizer reduces gradients in fixed
+            buckets negotiated once per step (see ``ringmaster.worker.gradient_plan``); off:
+            every gradient is negotiated on its own, every step.
     """
 
     coordinator_addr: Optional[str] = None
@@ -56,6 +59,7 @@ class Config:
     network_interface: Optional[str] = None
     timeline: Optional[str] = None
     background_nice: int = 19
+    gradient_plan: bool = True
 
 
 # environment variable -> (Config field, parser)
@@ -105,6 +109,15 @@ def _timeline(value: str) -> str:
     return value
 
 
+def _switch(value: str) -> bool:
+    value = value.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be 1 or 0 (also true/false, yes/no, on/off)")
+
+
 def _algorithm(value: str) -> str:
     value = value.strip().lower()
     if value not in ("auto", "ring", "mpi"):
@@ -127,6 +140,7 @@ ENVIRONMENT = {
     "RINGMASTER_NETWORK_INTERFACE": ("network_interface", _text),
     "RINGMASTER_TIMELINE": ("timeline", _timeline),
     "RINGMASTER_BACKGROUND_NICE": ("background_nice", _nice),
+    "RINGMASTER_GRADIENT_PLAN": ("gradient_plan", _switch),
 }
 
 

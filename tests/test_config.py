@@ -17,6 +17,7 @@ def test_defaults_without_any_variable():
     ("RINGMASTER_CYCLE_TIME", "-1", ["RINGMASTER_CYCLE_TIME", ">= 0"]),
     ("RINGMASTER_ALLREDUCE", "tree", ["RINGMASTER_ALLREDUCE", "auto, ring, mpi"]),
     ("RINGMASTER_BACKGROUND_NICE", "25", ["RINGMASTER_BACKGROUND_NICE", "0 to 19"]),
+    ("RINGMASTER_GRADIENT_PLAN", "maybe", ["RINGMASTER_GRADIENT_PLAN", "1 or 0"]),
 ])
 def test_bad_values_name_the_variable(variable, value, words):
     with pytest.raises(ConfigError) as caught:
@@ -27,3 +28,10 @@ def test_bad_values_name_the_variable(variable, value, words):
 def test_log_level_and_timeline_are_accepted(tmp_path):
     config = load_config({"RINGMASTER_LOG_LEVEL": " info ", "RINGMASTER_TIMELINE": str(tmp_path / "t.{rank}.json")})
     assert config.log_level == "INFO" and config.timeline.endswith("t.{rank}.json")
+
+
+@pytest.mark.parametrize("value,expected", [("0", False), (" off ", False), ("False", False), ("1", True),
+                                            ("yes", True)])
+def test_gradient_plan_switch(value, expected):
+    assert load_config({}).gradient_plan is True
+    assert load_config({"RINGMASTER_GRADIENT_PLAN": value}).gradient_plan is expected

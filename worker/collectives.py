@@ -447,14 +447,18 @@ def grouped_reducescatter(tensors, name=None, op=Average, prescale_factor=1.0, p
 # ------------------------------------------------------------------- control
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank (every member of ``process_set``) has called barrier()."""
-    state = runtime()
     set_id = member_set(process_set, "barrier").process_set_id
-    name = _auto_name("barrier", None, set_id)
+    synchronize(_barrier_async(_auto_name("barrier", None, set_id), set_id))
+
+
+def _barrier_async(name: str, set_id: int) -> int:
+    """Submit a barrier named ``name``; its handle id (a gradient plan runs at a barrier of its name)."""
+    state = runtime()
     handle = state.handles.new(name)
     empty = torch.empty(0)
     state.submit([Entry(name, pb.BARRIER, empty, handle, process_set_id=set_id)],
                  [_request(name, pb.BARRIER, empty, set_id)], flush=True)
-    synchronize(handle.id)
+    return handle.id
 
 
 def join(device=-1) -> int:

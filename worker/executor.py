@@ -124,6 +124,9 @@ class Executor:
         self._queue: "queue.Queue" = queue.Queue()
         self._expected_sequence = 1
         self._fusion: Dict[torch.dtype, torch.Tensor] = {}
+        # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.
+        self._plans: Dict[tuple, object] = {}
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ringmaster-background", daemon=True)
         self._run_response = {
             pb.ALLREDUCE: self._allreduce, pb.ALLGATHER: self._allgather, pb.BROADCAST: self._broadcast,
@@ -145,8 +148,13 @@ class Executor:
                 recording.begin(response.names, "QUEUE")
         self._queue.put(response_list)
 
+    def register_plan(self, process_set_id: int, plan) -> None:
+        """Run ``plan`` (a GradientPlan) when the barrier named ``plan.request_name`` comes up in the order."""
+        self._plans[(process_set_id, plan.request_name)] = plan
+
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Finish queued work and end the thread; False if it is stuck (e.g. in MPI)."""
+        self._stopping = True  # a gradient plan waiting for this rank's backward pass gives up
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
@@ -413,6 +421,10 @@ class Executor:
     def _barrier(self, response: pb.Response, group: SetComm) -> None:
         # The coordinator answers only once every member has arrived: that is the barrier.
         entry = self._take(response, response.names[0])
+        plan = self._plans.get((response.process_set_id, response.names[0]))
+        if plan is not None and (entry is not None or self.rank in response.joined_ranks):
+            plan.run(group.comm, group.size, joined=entry is None, algorithm=self.algorithm,
+                     segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
         if entry is not None:
             self._complete(entry, None)
 

@@ -4,6 +4,10 @@ averaged over all ranks.
 Each parameter's gradient starts its allreduce from a hook the moment autograd has
 accumulated it, so the gradients of the last layers travel while the backward pass of the
 first layers still runs. ``step()`` waits for them, then runs the wrapped optimizer.
+
+The first step negotiates each gradient with the coordinator. When that step shows plain
+data-parallel training on every rank, later steps follow a fixed plan of buckets negotiated
+once per step (``ringmaster.worker.gradient_plan``).
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ import torch
 
 from ringmaster.worker import collectives
 from ringmaster.worker.compression import Compression, wire_format
+from ringmaster.worker.errors import RingmasterError
+from ringmaster.worker.gradient_plan import GradientPlan
 from ringmaster.worker.process_sets import ProcessSet, global_process_set
 from ringmaster.worker.runtime import runtime
 from ringmaster.worker.sparse import sparse_allreduce_async
+from ringmaster.worker.tensors import reduction_dtype
 
 _NAME_PREFIX = "DistributedOptimizer."
 
@@ -58,7 +65,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._synchronized = False
         self._should_synchronize = True
-        runtime()  # must be initialized
+        state = runtime()  # must be initialized
+        # The fixed gradient plan: None until the first step shows it fits (on every rank).
+        self._plan: Optional[GradientPlan] = None
+        self._plan_handle: Optional[int] = None   # this step's negotiated run of the plan
+        self._plan_filled: set = set()            # parameters the plan reduced as zeros this step
+        self._plan_decided = False
+        self._plan_possible = (state.config.gradient_plan and self._sparsifier is None and not self._groups
+                               and compression is Compression.none)
+        self._watching_first_pass = False
+        self._first_pass_complete = False
         if self._sparsifier is not None and process_set.included() and process_set.size() > 1:
             setup = getattr(self._sparsifier, "setup", None)
             if callable(setup):  # e.g. rgc(mode="auto") calibrates its cost model: every rank, here
@@ -74,6 +90,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """Called by autograd once ``p.grad`` holds this backward pass's gradient."""
         if self._delay[p] <= 0:
+            if p in self._plan_filled:
+                raise RingmasterError(
+                    f"the gradient of '{self._parameter_names[p]}' arrived from a second backward pass "
+                    f"after the first one of this step had ended, when it had already been reduced as zeros. "
+                    f"DistributedOptimizer follows a fixed plan because its first step produced every "
+                    f"gradient in one backward pass; call step() between backward passes, set "
+                    f"backward_passes_per_step, or set RINGMASTER_GRADIENT_PLAN=0")
             raise AssertionError(
                 f"the gradient of '{self._parameter_names[p]}' was computed more than "
                 f"backward_passes_per_step={self.backward_passes_per_step} times before step(); "
@@ -81,6 +104,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay[p] -= 1
         if self._delay[p] > 0:
             return
+        if self._plan is not None:
+            self._plan_gradient_ready(p)
+            return
+        if self._plan_possible and not self._plan_decided and not self._watching_first_pass:
+            self._watching_first_pass = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._note_first_pass_end)
         group = self._group_of.get(p)
         if group is None:
             self._handles[p] = self._allreduce_gradient_async(p)
@@ -90,6 +119,70 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles[p] = (None, None, None)
         if len(ready) == len(self._groups[group]):
             self._allreduce_group_async(group)
+
+    # ----------------------------------------------------------- the plan
+    def _note_first_pass_end(self) -> None:
+        """End of the first step's communicating backward pass: did it produce every gradient?"""
+        self._first_pass_complete = all(self._delay[p] == 0 for p in self._requires_update)
+
+    def _decide_plan(self) -> None:
+        """After the first synchronize: switch to the plan if it fits on every rank (one allreduce)."""
+        self._plan_decided = True
+        fits = self._first_pass_complete and all(
+            p.grad is not None and not p.grad.is_sparse and p.grad.device.type == "cpu"
+            and p.grad.dtype == p.dtype and reduction_dtype(p.dtype) == p.dtype for p in self._requires_update)
+        order = self._requires_update[::-1]  # backward produces the last layers' gradients first
+        prescale, postscale = self._scaling()
+        if self._op == collectives.Average:
+            postscale /= self._process_set.size()
+        plan = GradientPlan(order, [_NAME_PREFIX + self._parameter_names[p] for p in order], prescale, postscale)
+        # Sum of ones: a rank that has joined adds zero, and then no plan is used.
+        votes = collectives.allreduce(torch.tensor([1 if fits else 0], dtype=torch.int32), op=collectives.Sum,
+                                      name=plan.request_name + ".agree", process_set=self._process_set)
+        if int(votes.item()) == self._process_set.size():
+            runtime().executor.register_plan(self._process_set.process_set_id, plan)
+            self._plan = plan
+
+    def _start_plan_step(self) -> None:
+        """Negotiate this step's run of the plan: one request, whatever the number of gradients."""
+        self._plan.start_step()
+        self._plan_handle = collectives._barrier_async(self._plan.request_name, self._process_set.process_set_id)
+
+    def _plan_gradient_ready(self, p: torch.Tensor) -> None:
+        if self._plan_handle is None:
+            self._start_plan_step()
+            # Gradients this backward pass does not produce are reduced as zeros when it ends,
+            # so that the plan never waits for a step() that waits for the plan.
+            torch.autograd.Variable._execution_engine.queue_callback(self._plan_fill_missing)
+        if p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
+        self._plan.mark_ready(self._plan.index[p], p.grad)
+
+    def _plan_fill_missing(self) -> None:
+        """Hand the plan every gradient not handed over yet: the accumulated one, or zeros."""
+        for p in self._requires_update:
+            index = self._plan.index[p]
+            if self._plan.is_ready(index):
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+            self._delay[p] = 0
+            self._plan_filled.add(p)
+            self._plan.mark_ready(index, p.grad)
+
+    def _synchronize_plan(self) -> None:
+        if self._plan_handle is None:  # no gradient this step: every rank still runs the plan
+            self._start_plan_step()
+        self._plan_fill_missing()
+        try:
+            collectives.synchronize(self._plan_handle)
+        finally:
+            self._plan_handle = None
+            self._plan_filled.clear()
+            for p in self._requires_update:
+                self._delay[p] = self.backward_passes_per_step
 
     def _scaling(self) -> Tuple[float, float]:
         if self._op == collectives.Average:
@@ -162,6 +255,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._hooks:
             self._synchronized = True
             return
+        if self._plan is not None:
+            self._synchronize_plan()
+            self._synchronized = True
+            return
         for p in self._requires_update:
             if p not in self._handles:
                 self._handles[p] = (None, None, None)
@@ -188,6 +285,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles.clear()
             for p in self._requires_update:
                 self._delay[p] = self.backward_passes_per_step
+            self._watching_first_pass = False
+        if self._plan_possible and not self._plan_decided:
+            self._decide_plan()
         self._synchronized = True
 
     def _restore(self, p: torch.Tensor, output, ctx):
@@ -256,7 +356,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the gradients; refused while their allreduces are in flight."""
-        if self._handles:
+        if self._handles or self._plan_handle is not None:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(); the gradients are still "
                                  "being reduced. Call step() (or synchronize()) first")

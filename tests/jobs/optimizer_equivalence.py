@@ -68,14 +68,21 @@ def shard(tensor):
 
 
 def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=None, scheduler=False,
-          tolerance=1e-5, make_reference_optimizer=None, **options):
+          tolerance=1e-5, make_reference_optimizer=None, branch_when=None, metric=False, expect_plan=None,
+          **options):
     """Train ringmaster (shards) and the reference (whole batch) side by side; compare.
 
     ``options`` go to DistributedOptimizer; a callable ``groups`` is given the model. The
-    reference uses ``make_reference_optimizer`` if given, else ``make_optimizer``.
+    reference uses ``make_reference_optimizer`` if given, else ``make_optimizer``. The branch
+    is taken by ``branch_on_rank``, or where ``branch_when(step, rank)``; ``metric`` allreduces
+    the loss between backward and step; ``expect_plan`` checks whether the fixed gradient
+    plan was used.
     """
     torch.manual_seed(1)
-    model = Net(branch=branch_on_rank is not None)
+    if branch_when is None and branch_on_rank is not None:
+        def branch_when(step, rank):
+            return rank == branch_on_rank
+    model = Net(branch=branch_when is not None)
     reference = copy.deepcopy(model)
     if callable(options.get("groups")):
         options["groups"] = options["groups"](model)
@@ -95,14 +102,16 @@ def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=N
         for _ in range(passes):
             x, y = next(data)
             # The branch is taken on one rank only; the reference takes it for that rank's rows.
-            use = branch_on_rank is not None
-            loss = loss_fn(model(shard(x), use_branch=use and RANK == branch_on_rank), shard(y)) * scale
+            use = branch_when is not None
+            loss = loss_fn(model(shard(x), use_branch=use and branch_when(step, RANK)), shard(y)) * scale
             loss.backward()
             total = 0
             for r in range(SIZE):
                 rows = slice(r * BATCH, (r + 1) * BATCH)
-                total = total + loss_fn(reference(x[rows], use_branch=use and r == branch_on_rank), y[rows])
+                total = total + loss_fn(reference(x[rows], use_branch=use and branch_when(step, r)), y[rows])
             (total / SIZE).backward()
+        if metric:  # a blocking collective while the step's gradients are still being reduced
+            rm.allreduce(loss.detach(), name=f"{case}.metric.{step}")
         if clip is not None:
             optimizer.synchronize()
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -117,6 +126,10 @@ def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=N
     close(case, model, reference, tolerance)
     identical_across_ranks(case, model)
     report(f"{case}: frozen layer untouched", torch.equal(model.frozen.weight, reference.frozen.weight))
+    if expect_plan is not None:
+        used = optimizer._plan is not None
+        report(f"{case}: fixed gradient plan {'used' if expect_plan else 'not used'}", used == expect_plan,
+               f"plan used: {used}")
     return optimizer
 
 
@@ -156,18 +169,51 @@ def adam(params):
     return torch.optim.Adam(params, lr=0.01)
 
 
-train("sgd momentum", sgd)
-train("adam", adam)
-train("adamw", lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1))
-train("sgd backward_passes_per_step=2", sgd, passes=2)
-train("adam backward_passes_per_step=2", adam, passes=2)
-train("sgd gradient_predivide_factor=2", sgd, gradient_predivide_factor=2.0)
-train("adam gradient_predivide_factor=4", adam, gradient_predivide_factor=4.0)
-train("sgd groups=2", sgd, groups=2)
-train("sgd op=Sum", sgd, op=rm.Sum, scale=1.0 / SIZE)
-train("sgd with a branch only rank 0 takes", sgd, branch_on_rank=0)
+train("sgd momentum", sgd, expect_plan=True)
+train("adam", adam, expect_plan=True)
+train("adamw", lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1), expect_plan=True)
+train("sgd backward_passes_per_step=2", sgd, passes=2, expect_plan=True)
+train("adam backward_passes_per_step=2", adam, passes=2, expect_plan=True)
+train("sgd gradient_predivide_factor=2", sgd, gradient_predivide_factor=2.0, expect_plan=True)
+train("adam gradient_predivide_factor=4", adam, gradient_predivide_factor=4.0, expect_plan=True)
+train("sgd groups=2", sgd, groups=2, expect_plan=False)
+train("sgd op=Sum", sgd, op=rm.Sum, scale=1.0 / SIZE, expect_plan=True)
+train("sgd with a branch only rank 0 takes", sgd, branch_on_rank=0, expect_plan=False)
 train("adamw with a branch only the last rank takes", lambda params: torch.optim.AdamW(params, lr=0.01),
-      branch_on_rank=SIZE - 1)
+      branch_on_rank=SIZE - 1, expect_plan=False)
+# Every rank takes the branch in step 0, so the plan is used from step 1; later only some
+# ranks take it: the others reduce zeros for it when their backward pass ends, and a blocking
+# allreduce between backward and step does not wait on the plan.
+train("sgd plan, branch only on rank 0 after step 1", sgd, branch_when=lambda step, rank: step < 2 or rank == 0,
+      metric=True, expect_plan=True)
+train("adam plan, branch only on the last rank after step 0, bpps=2", adam,
+      branch_when=lambda step, rank: step == 0 or rank == SIZE - 1, passes=2, expect_plan=True)
+
+
+def second_backward_after_the_plan_filled_zeros():
+    """A gradient arriving from a second backward pass, after the plan reduced zeros for it, is refused."""
+    torch.manual_seed(1)
+    model = Net(branch=True)
+    optimizer = rm.DistributedOptimizer(sgd(model.parameters()), named_parameters=model.named_parameters())
+    x, y = torch.randn(BATCH, 6), torch.zeros(BATCH, dtype=torch.long)
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x, use_branch=True), y).backward()
+    optimizer.step()  # every gradient came from one backward pass: the plan is used from now on
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()  # the branch's gradients: zeros
+    try:
+        model.branch(torch.randn(BATCH, 16)).sum().backward()
+        report("second backward after the plan filled zeros is refused", False, "no error")
+    except rm.RingmasterError as error:
+        report("second backward after the plan filled zeros is refused",
+               "second backward pass" in str(error) and "'branch." in str(error), str(error))
+    optimizer.synchronize()  # the step still completes on every rank
+    report("the plan's zeros for the unused branch", torch.equal(model.branch.weight.grad,
+                                                                 torch.zeros_like(model.branch.weight)))
+    identical_across_ranks("after a refused second backward", model)
+
+
+second_backward_after_the_plan_filled_zeros()
 
 
 def unused_by_every_rank():

@@ -32,13 +32,18 @@ spans = {}
 for event in events:
     if event["ph"] in "BE":
         spans.setdefault(rows[event["pid"]], []).append(event["ph"] + (event.get("name") or ""))
-expected_rows = {f"DistributedOptimizer.{name}" for name, _ in model.named_parameters()} | {"gathered", "broadcasted"}
+gradients = {f"DistributedOptimizer.{name}" for name, _ in model.named_parameters()}
+# From the second step on, the optimizer's fixed gradient plan: one negotiated request per step.
+plan_row = optimizer._plan.request_name if optimizer._plan is not None else "(no gradient plan)"
+# (its ".agree" row is the vote of the first step on whether to use it)
+expected_rows = gradients | {"gathered", "broadcasted", plan_row, plan_row + ".agree"}
 if set(spans) != expected_rows:
     failures.append(f"rows {sorted(spans)} != {sorted(expected_rows)}")
 for row, sequence in spans.items():
     if sequence.count("E") != len(sequence) - sequence.count("E"):
         failures.append(f"{row}: unbalanced spans {sequence}")
-    for phase in ("BNEGOTIATE_", "BQUEUE"):
+    # Gradients: negotiated in the first step; handed to the plan (READY) and reduced after.
+    for phase in ("BNEGOTIATE_", "BQUEUE") + (("BREADY", "BALLREDUCE") if row in gradients else ()):
         if not any(step.startswith(phase) for step in sequence):
             failures.append(f"{row}: no {phase[1:]} span in {sequence}")
 if spans.get("gathered", [None])[0] != "BNEGOTIATE_ALLGATHER" or "BALLGATHER" not in spans.get("gathered", []):

@@ -36,6 +36,11 @@ for x, y in data[RANK]:
     optimizer.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     optimizer.step()
+# From the second step on the optimizer follows its fixed gradient plan; a joined rank runs
+# the plan's allreduces with zeros.
+if optimizer._plan is None:
+    failures += 1
+    print(f"FAIL rank {RANK}: the fixed gradient plan was not used", flush=True)
 last = rm.join()
 
 # Plain torch: at step s the ranks that still have a batch contribute; joined ranks add zeros.
