@@ -423,7 +423,7 @@ class Executor:
         entry = self._take(response, response.names[0])
         plan = self._plans.get((response.process_set_id, response.names[0]))
         if plan is not None and (entry is not None or self.rank in response.joined_ranks):
-            plan.run(group.comm, group.size, joined=entry is None, algorithm=self.algorithm,
+            plan.run(group.comm, joined=entry is None, algorithm=self.algorithm,
                      segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
         if entry is not None:
             self._complete(entry, None)

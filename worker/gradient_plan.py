@@ -100,8 +100,13 @@ class GradientPlan:
         with self._condition:
             return self._gradients[index] is not None
 
+    def all_ready(self) -> bool:
+        """Every gradient of this step has been handed over."""
+        with self._condition:
+            return not any(self._missing)
+
     # --------------------------------------------------- background thread
-    def run(self, comm, size: int, joined: bool, algorithm: str, segment_bytes: int,
+    def run(self, comm, joined: bool, algorithm: str, segment_bytes: int,
             stopping: Callable[[], bool]) -> None:
         """Allreduce every bucket in order over ``comm`` (called at the plan's place in the collective order)."""
         scale = None if self.postscale == 1.0 else self.postscale

@@ -160,6 +160,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _plan_fill_missing(self) -> None:
         """Hand the plan every gradient not handed over yet: the accumulated one, or zeros."""
+        if self._plan.all_ready():  # the usual case, once backward has ended
+            return
         for p in self._requires_update:
             index = self._plan.index[p]
             if self._plan.is_ready(index):
