@@ -12,7 +12,7 @@ latency once the peer shows up.
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 from mpi4py import MPI
 
@@ -21,6 +21,20 @@ SPIN_S = 100e-6
 #: First and longest pause between tests once spinning did not finish the request.
 FIRST_PAUSE_S = 20e-6
 LONGEST_PAUSE_S = 500e-6
+
+#: Returns the error that ended the job on this rank, or None (see :func:`set_abort_check`).
+_abort_check: Optional[Callable[[], Optional[BaseException]]] = None
+
+
+def set_abort_check(check: Optional[Callable[[], Optional[BaseException]]]) -> None:
+    """Have :func:`wait` raise ``check()`` once it returns an error, instead of waiting on.
+
+    The runtime passes its fatal error here: a collective whose peer died or stalled past
+    the limit then ends with that error rather than waiting forever for data that will not
+    come (a training loop that runs gradient buckets itself waits in here).
+    """
+    global _abort_check
+    _abort_check = check
 
 
 def wait(request: MPI.Request) -> None:
@@ -36,6 +50,10 @@ def wait(request: MPI.Request) -> None:
     while not request.Test():
         time.sleep(pause)
         pause = min(pause * 2, LONGEST_PAUSE_S)
+        if pause == LONGEST_PAUSE_S and _abort_check is not None:  # a long wait: has the job ended?
+            error = _abort_check()
+            if error is not None:
+                raise error
 
 
 def wait_all(requests: Iterable[MPI.Request]) -> None:

@@ -72,6 +72,34 @@ def test_a_stall_longer_than_the_shutdown_limit_aborts_the_job():
 
 
 @pytest.mark.timeout(90)
+def test_a_rank_stalling_before_a_gradient_plan_step_is_named_and_the_job_aborts():
+    """The others run the step's buckets ahead of its negotiation; the request still names the late rank."""
+    result, seconds = run_timed(2, """
+        import time, torch, torch.nn as nn, ringmaster as rm
+        rm.init()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 4))
+        optimizer = rm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters())
+        try:
+            for step in range(6):
+                if step == 4 and rm.rank() == 1:
+                    time.sleep(60)
+                optimizer.zero_grad()
+                model(torch.randn(8, 64)).sum().backward()
+                optimizer.step()
+            print("PLAN", optimizer._plan is not None and optimizer._plan.runs_ahead(), flush=True)
+        except rm.StalledTensorError as error:
+            print("STALLED", optimizer._plan.runs_ahead(), error, flush=True)
+            raise
+    """, env={"RINGMASTER_STALL_WARNING_S": "1", "RINGMASTER_STALL_SHUTDOWN_S": "3"}, timeout=80)
+    assert result.returncode != 0
+    assert seconds < 30, f"took {seconds:.0f} s"
+    assert "STALLED True" in result.stdout, result.output[-3000:]
+    assert "DistributedOptimizer.plan." in result.stdout and "ranks [1]" in result.stdout, result.output[-3000:]
+
+
+@pytest.mark.timeout(90)
 def test_a_hung_rank_is_detected_by_missing_heartbeats():
     result, seconds = run_timed(2, """
         import os, signal, torch, ringmaster as rm

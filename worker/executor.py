@@ -126,6 +126,7 @@ class Executor:
         self._fusion: Dict[torch.dtype, torch.Tensor] = {}
         # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.
         self._plans: Dict[tuple, object] = {}
+        self._plan_comms: List[object] = []  # plans given a communicator of their own, to free at the end
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ringmaster-background", daemon=True)
         self._run_response = {
@@ -157,10 +158,14 @@ class Executor:
         self._stopping = True  # a gradient plan waiting for this rank's backward pass gives up
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        plans_stopped = all([plan.close(timeout_s) for plan in self._plan_comms])
+        return plans_stopped and not self._thread.is_alive()
 
     def free_process_sets(self) -> None:
-        """Free the process sets' communicators (after :meth:`stop` returned True)."""
+        """Free the process sets' and gradient plans' communicators (after :meth:`stop` returned True)."""
+        for plan in self._plan_comms:
+            plan.comm.Free()
+        self._plan_comms.clear()
         for set_id in [i for i in self._sets if i != 0]:
             self._sets.pop(set_id).comm.Free()
 
@@ -422,9 +427,20 @@ class Executor:
         # The coordinator answers only once every member has arrived: that is the barrier.
         entry = self._take(response, response.names[0])
         plan = self._plans.get((response.process_set_id, response.names[0]))
-        if plan is not None and (entry is not None or self.rank in response.joined_ranks):
-            plan.run(group.comm, joined=entry is None, algorithm=self.algorithm,
-                     segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
+        joined = entry is None and self.rank in response.joined_ranks
+        if plan is not None and (entry is not None or joined):
+            if not plan.runs_ahead():
+                # The plan's first run: every member is here, at the same place in the order,
+                # so this is where it can get a communicator of its own (a collective call).
+                plan.attach(group.comm.Dup(), self.algorithm, self.segment_bytes, lambda: self._stopping,
+                            self._on_fatal, lambda: _lower_this_threads_priority(self.nice))
+                self._plan_comms.append(plan)
+                plan.run(plan.comm, joined=joined, algorithm=self.algorithm,
+                         segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
+            elif joined:  # the others' plan threads are already waiting for this rank's zeros
+                plan.run(plan.comm, joined=True, algorithm=self.algorithm,
+                         segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
+            # else this step's run is on the plan's own thread, started by the first hook.
         if entry is not None:
             self._complete(entry, None)
 

@@ -8,21 +8,29 @@ optimizer switches to a :class:`GradientPlan`: the gradients are cut once into b
 the order backward produces them (the reverse of the parameter order), and each later step
 negotiates a single barrier-type request, sent by the first gradient hook of the step.
 
-The coordinator orders that request among all other collectives like any other. When the
-background thread reaches its response it runs :meth:`GradientPlan.run`: bucket by bucket,
-it waits until the hooks have handed over the bucket's gradients, then allreduces them (big
-gradients in place, small ones fused in a buffer of the bucket's own). Every rank therefore
-runs the same collectives in the same order (invariant 1), with no round trip to the
-coordinator per gradient: that round trip, on cores busy with the backward pass, is what
-the per-gradient negotiation cost (docs/benchmarks.md).
+The coordinator orders that request among all other collectives like any other. The
+plan's first run happens there, on the background thread: bucket by bucket,
+:meth:`GradientPlan.run` waits until the hooks have handed over the bucket's gradients,
+then allreduces them (big gradients in place, small ones fused in a buffer of the bucket's
+own). At that point every member is at the same place in the collective order, so the
+background thread also gives the plan a communicator of its own (:meth:`GradientPlan.attach`).
 
-A rank that has joined (``rm.join()``) runs the plan with zeros, as it contributes zeros to
-every other allreduce.
+From then on the plan runs ahead of its negotiation, on a thread of its own: the first hook
+of a step both submits the step's request and starts the run, whose buckets go over the
+plan's communicator, where nothing else travels and every rank runs the same buckets in
+the same order (invariant 1 holds per communicator). A round trip to the coordinator on
+cores busy with a backward pass took 1-6 ms, most of the backward pass of a small model,
+and the buckets used to wait for it (docs/benchmarks.md). The request still goes to the
+coordinator every step, so a rank that never gets to the step is reported as a stall,
+a rank that has joined (``rm.join()``) learns of the step from its response and runs the
+plan with zeros on its background thread, as it contributes zeros to every other
+allreduce, and ``step()`` waits for both the response and the run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import queue
 import threading
 from typing import Callable, List, Optional, Sequence
 
@@ -75,14 +83,67 @@ class GradientPlan:
         self.request_name = "DistributedOptimizer.plan." + _signature(self.parameters, self.names)
         self._condition = threading.Condition()
         self._gradients: List[Optional[torch.Tensor]] = [None] * len(self.parameters)
+        self._ready = [False] * len(self.parameters)
         self._missing = [len(bucket.indices) for bucket in self.buckets]
+        #: The plan's own communicator, from its first run on (see :meth:`attach`).
+        self.comm = None
+        self._run_settings = None                     # (algorithm, segment_bytes, stopping)
+        self._steps: "queue.Queue" = queue.Queue()  # True: a step to run ahead; None ends the thread
+        self._thread: Optional[threading.Thread] = None
+        # Which thread reduces which bucket (see run_ahead/finish): buckets run one at a time,
+        # in order, whoever runs them, so every rank sends the same messages in the same order.
+        self._next_bucket = 0
+        self._bucket_running = False
+        self._caller_took_over = False
+        self._error: Optional[BaseException] = None
 
     # -------------------------------------------------------- user's thread
+    def runs_ahead(self) -> bool:
+        """True once the plan has a communicator of its own: steps then start from the first hook."""
+        return self.comm is not None
+
     def start_step(self) -> None:
         """Forget the previous step's gradients (its run has finished)."""
         with self._condition:
             self._gradients = [None] * len(self.parameters)
+            self._ready = [False] * len(self.parameters)
             self._missing = [len(bucket.indices) for bucket in self.buckets]
+            self._next_bucket = 0
+            self._bucket_running = False
+            self._caller_took_over = False
+
+    def run_ahead(self) -> None:
+        """Let the plan's thread reduce this step's buckets as their gradients arrive.
+
+        The thread runs at the background thread's priority, on cycles the backward pass
+        leaves; :meth:`finish` takes over whatever it has not started.
+        """
+        self._steps.put(True)
+
+    def finish(self, failed: Callable[[], Optional[BaseException]]) -> None:
+        """Reduce, on the calling thread, every bucket the plan's thread has not started; return when all are done.
+
+        Called by ``step()``/``synchronize()`` once every gradient has been handed over: the
+        caller would only wait otherwise, and runs at the training loop's priority, where the
+        plan's thread may get no core at all while other work is runnable. ``failed``
+        returns the runtime's fatal error, if any (a peer that died mid-bucket).
+        """
+        algorithm, segment_bytes, stopping = self._run_settings
+        with self._condition:
+            self._caller_took_over = True
+        while True:
+            with self._condition:
+                while self._bucket_running and self._error is None:
+                    error = failed()
+                    if error is not None:
+                        raise error
+                    self._condition.wait(_WAIT_SLICE_S)
+                if self._error is not None:
+                    raise self._error
+                if self._next_bucket >= len(self.buckets):
+                    return
+                number = self._claim_bucket()
+            self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
 
     def mark_ready(self, index: int, gradient: torch.Tensor) -> None:
         """Hand over the gradient of parameter ``index`` for this step."""
@@ -91,6 +152,7 @@ class GradientPlan:
             recording.begin([self.names[index]], "READY")
         with self._condition:
             self._gradients[index] = gradient
+            self._ready[index] = True
             bucket = self.bucket_of[index]
             self._missing[bucket] -= 1
             if self._missing[bucket] == 0:
@@ -98,7 +160,7 @@ class GradientPlan:
 
     def is_ready(self, index: int) -> bool:
         with self._condition:
-            return self._gradients[index] is not None
+            return self._ready[index]
 
     def all_ready(self) -> bool:
         """Every gradient of this step has been handed over."""
@@ -106,46 +168,131 @@ class GradientPlan:
             return not any(self._missing)
 
     # --------------------------------------------------- background thread
+    def attach(self, comm, algorithm: str, segment_bytes: int, stopping: Callable[[], bool],
+               on_fatal: Callable[[BaseException], None], prepare_thread: Callable[[], None]) -> None:
+        """Give the plan its own communicator and start the thread that runs it ahead.
+
+        Called on the background thread at the plan's first run, where every member of the
+        process set is at the same place in the collective order (``comm`` was just
+        duplicated there). ``prepare_thread`` runs first on the new thread (its priority).
+        """
+        self.comm = comm
+        self._run_settings = (algorithm, segment_bytes, stopping)
+
+        def serve():
+            prepare_thread()
+            while self._steps.get():
+                try:
+                    self._run_ready_buckets(algorithm, segment_bytes, stopping)
+                except Exception as error:  # noqa: BLE001 - the step's caller and the job must hear of it
+                    failure = error if isinstance(error, RingmasterError) else RingmasterError(
+                        f"rank {comm.Get_rank()} of the gradient plan's communicator: allreduce of "
+                        f"DistributedOptimizer's gradients failed: {type(error).__name__}: {error}")
+                    with self._condition:
+                        self._error = failure
+                        self._condition.notify_all()
+                    on_fatal(failure)
+                    return
+
+        self._thread = threading.Thread(target=serve, name="ringmaster-gradient-plan", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float) -> bool:
+        """End the plan's thread once its current bucket is done; False if it is still running."""
+        if self._thread is None:
+            return True
+        with self._condition:
+            self._caller_took_over = True
+            self._condition.notify_all()
+        self._steps.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run_ready_buckets(self, algorithm: str, segment_bytes: int, stopping: Callable[[], bool]) -> None:
+        """The plan's thread: reduce buckets in order as they become ready, until the caller takes over."""
+        while True:
+            with self._condition:
+                while (not self._caller_took_over and self._next_bucket < len(self.buckets)
+                       and self._missing[self._next_bucket] > 0 and not stopping()):
+                    self._condition.wait(_WAIT_SLICE_S)
+                if self._caller_took_over or self._next_bucket >= len(self.buckets) or stopping():
+                    return
+                number = self._claim_bucket()
+            self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
+
+    def _claim_bucket(self) -> int:
+        """Take the next bucket (with the condition held and no bucket running)."""
+        number = self._next_bucket
+        self._next_bucket += 1
+        self._bucket_running = True
+        return number
+
+    def _reduce_bucket_releasing(self, number: int, algorithm: str, segment_bytes: int,
+                                 stopping: Callable[[], bool]) -> None:
+        try:
+            self._reduce_bucket(number, self.comm, self._take(number, stopping), algorithm, segment_bytes)
+        finally:
+            with self._condition:
+                self._bucket_running = False
+                self._condition.notify_all()
+
     def run(self, comm, joined: bool, algorithm: str, segment_bytes: int,
             stopping: Callable[[], bool]) -> None:
-        """Allreduce every bucket in order over ``comm`` (called at the plan's place in the collective order)."""
-        scale = None if self.postscale == 1.0 else self.postscale
-        for number, bucket in enumerate(self.buckets):
-            if joined:  # this rank has no data left: it adds zeros
-                work = torch.zeros(sum(bucket.sizes), dtype=self.parameters[bucket.indices[0]].dtype)
-                # The same scale as the others: the rank finishing a chunk scales it for everyone.
-                ops.allreduce(comm, flat_array(work), "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
-                continue
-            gradients = self._wait_for(number, stopping)
-            names = [self.names[i] for i in bucket.indices]
-            recording = timeline.active()
-            if recording is not None:
-                recording.end(names)
-                recording.begin(names, "ALLREDUCE")
-            if bucket.fused:
-                work = bucket.buffer
-                torch.cat([g.reshape(-1) for g in gradients], out=work)
-            else:
-                work = gradients[0] if gradients[0].is_contiguous() else gradients[0].contiguous()
-            if self.prescale != 1.0:
-                work.mul_(self.prescale)
-            ops.allreduce(comm, flat_array(work), "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
-            if bucket.fused:
-                for gradient, part in zip(gradients, work.split(bucket.sizes)):
-                    gradient.copy_(part.view_as(gradient))
-            elif work is not gradients[0]:
-                gradients[0].copy_(work)
-            if recording is not None:
-                recording.end(names)
+        """Allreduce every bucket in order over ``comm``, on the background thread.
 
-    def _wait_for(self, number: int, stopping: Callable[[], bool]) -> List[torch.Tensor]:
+        For the plan's first run (at its place in the collective order), and on a rank that
+        has joined, which adds zeros to the others' steps.
+        """
+        for number in range(len(self.buckets)):
+            self._reduce_bucket(number, comm, None if joined else self._take(number, stopping),
+                                algorithm, segment_bytes)
+
+    def _reduce_bucket(self, number: int, comm, gradients: Optional[List[torch.Tensor]], algorithm: str,
+                       segment_bytes: int) -> None:
+        """Allreduce one bucket of this step's ``gradients`` (None: a joined rank's zeros)."""
+        bucket = self.buckets[number]
+        scale = None if self.postscale == 1.0 else self.postscale
+        if gradients is None:  # this rank has no data left: it adds zeros
+            work = torch.zeros(sum(bucket.sizes), dtype=self.parameters[bucket.indices[0]].dtype)
+            # The same scale as the others: the rank finishing a chunk scales it for everyone.
+            ops.allreduce(comm, flat_array(work), "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
+            return
+        names = [self.names[i] for i in bucket.indices]
+        recording = timeline.active()
+        if recording is not None:
+            recording.end(names)
+            recording.begin(names, "ALLREDUCE")
+        if bucket.fused:
+            work = bucket.buffer
+            torch.cat([g.reshape(-1) for g in gradients], out=work)
+        else:
+            work = gradients[0] if gradients[0].is_contiguous() else gradients[0].contiguous()
+        if self.prescale != 1.0:
+            work.mul_(self.prescale)
+        ops.allreduce(comm, flat_array(work), "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
+        if bucket.fused:
+            for gradient, part in zip(gradients, work.split(bucket.sizes)):
+                gradient.copy_(part.view_as(gradient))
+        elif work is not gradients[0]:
+            gradients[0].copy_(work)
+        if recording is not None:
+            recording.end(names)
+
+    def _take(self, number: int, stopping: Callable[[], bool]) -> List[torch.Tensor]:
+        """Bucket ``number``'s gradients, once all are handed over."""
         with self._condition:
             while self._missing[number] > 0:
                 if stopping():
                     raise RingmasterError("ringmaster stopped while DistributedOptimizer's step waited for "
                                           "gradients")
                 self._condition.wait(_WAIT_SLICE_S)
-            return [self._gradients[i] for i in self.buckets[number].indices]
+            gradients = []
+            for i in self.buckets[number].indices:
+                # Let go of them as they are taken: holding last step's gradients would keep the
+                # allocator from reusing their memory for the next step's (fresh pages every step).
+                gradients.append(self._gradients[i])
+                self._gradients[i] = None
+            return gradients
 
 
 def _make_buckets(parameters: Sequence[torch.Tensor]) -> List[_Bucket]:

@@ -68,7 +68,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state = runtime()  # must be initialized
         # The fixed gradient plan: None until the first step shows it fits (on every rank).
         self._plan: Optional[GradientPlan] = None
-        self._plan_handle: Optional[int] = None   # this step's negotiated run of the plan
+        self._plan_step_open = False              # a step of the plan has started (its first hook fired)
+        self._plan_negotiation: Optional[int] = None  # handle of the last step's request to the coordinator
         self._plan_filled: set = set()            # parameters the plan reduced as zeros this step
         self._plan_decided = False
         self._plan_possible = (state.config.gradient_plan and self._sparsifier is None and not self._groups
@@ -144,12 +145,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._plan = plan
 
     def _start_plan_step(self) -> None:
-        """Negotiate this step's run of the plan: one request, whatever the number of gradients."""
+        """Start this step of the plan; once the plan runs ahead, its thread starts on ready buckets."""
+        self._plan_step_open = True
         self._plan.start_step()
-        self._plan_handle = collectives._barrier_async(self._plan.request_name, self._process_set.process_set_id)
+        if self._plan.runs_ahead():
+            self._plan.run_ahead()
 
     def _plan_gradient_ready(self, p: torch.Tensor) -> None:
-        if self._plan_handle is None:
+        if not self._plan_step_open:
             self._start_plan_step()
             # Gradients this backward pass does not produce are reduced as zeros when it ends,
             # so that the plan never waits for a step() that waits for the plan.
@@ -175,13 +178,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._plan.mark_ready(index, p.grad)
 
     def _synchronize_plan(self) -> None:
-        if self._plan_handle is None:  # no gradient this step: every rank still runs the plan
+        if not self._plan_step_open:  # no gradient this step: every rank still runs the plan
             self._start_plan_step()
         self._plan_fill_missing()
         try:
-            collectives.synchronize(self._plan_handle)
+            if self._plan_negotiation is not None:  # the previous step's (long answered)
+                negotiated, self._plan_negotiation = self._plan_negotiation, None
+                collectives.synchronize(negotiated)
+            # The step's one request goes out after backward, where its round trip through the
+            # coordinator takes no CPU time from the backward pass, and before this rank's
+            # buckets, which a rank that has joined only joins once the request is answered.
+            negotiated = collectives._barrier_async(self._plan.request_name, self._process_set.process_set_id)
+            if self._plan.runs_ahead():
+                # Nothing waits for the answer: the buckets go over the plan's own communicator.
+                self._plan_negotiation = negotiated
+                self._plan.finish(lambda: runtime().fatal_error)
+            else:  # the plan's first run, on the background thread at the request's place in the order
+                collectives.synchronize(negotiated)
         finally:
-            self._plan_handle = None
+            self._plan_step_open = False
             self._plan_filled.clear()
             for p in self._requires_update:
                 self._delay[p] = self.backward_passes_per_step
@@ -358,7 +373,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the gradients; refused while their allreduces are in flight."""
-        if self._handles or self._plan_handle is not None:
+        if self._handles or self._plan_step_open:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(); the gradients are still "
                                  "being reduced. Call step() (or synchronize()) first")

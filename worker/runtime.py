@@ -11,6 +11,7 @@ import threading
 from typing import List, Optional
 
 from ringmaster.common.config import Config, load_config
+from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker import timeline
 from ringmaster.worker.bootstrap import CoordinatorEndpoint, find_coordinator
@@ -52,6 +53,7 @@ class Runtime:
             self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
             self.outbox, on_responses=self.executor.submit, on_fatal=self.fail)
         self.executor.start()
+        waiting.set_abort_check(lambda: self.fatal_error)
         try:
             self.welcome = self.client.connect(config.start_timeout_s)
         except RingmasterError:
@@ -110,6 +112,7 @@ class Runtime:
     # ------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
         self._forget_process_sets()
+        waiting.set_abort_check(None)
         if self.fatal_error is not None:
             return
         self.client.close()

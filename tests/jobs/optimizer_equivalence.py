@@ -130,6 +130,8 @@ def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=N
         used = optimizer._plan is not None
         report(f"{case}: fixed gradient plan {'used' if expect_plan else 'not used'}", used == expect_plan,
                f"plan used: {used}")
+        if used:  # from its second run on, the plan runs ahead of its negotiation
+            report(f"{case}: the plan ran ahead on its own communicator", optimizer._plan.runs_ahead())
     return optimizer
 
 
