@@ -126,7 +126,7 @@ class Executor:
         self._fusion: Dict[torch.dtype, torch.Tensor] = {}
         # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.
         self._plans: Dict[tuple, object] = {}
-        self._plan_comms: List[object] = []  # plans given a communicator of their own, to free at the end
+        self._attached_plans: List[object] = []  # plans given a communicator of their own, to free at the end
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ringmaster-background", daemon=True)
         self._run_response = {
@@ -158,14 +158,14 @@ class Executor:
         self._stopping = True  # a gradient plan waiting for this rank's backward pass gives up
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
-        plans_stopped = all([plan.close(timeout_s) for plan in self._plan_comms])
+        plans_stopped = all([plan.close(timeout_s) for plan in self._attached_plans])
         return plans_stopped and not self._thread.is_alive()
 
     def free_process_sets(self) -> None:
         """Free the process sets' and gradient plans' communicators (after :meth:`stop` returned True)."""
-        for plan in self._plan_comms:
+        for plan in self._attached_plans:
             plan.comm.Free()
-        self._plan_comms.clear()
+        self._attached_plans.clear()
         for set_id in [i for i in self._sets if i != 0]:
             self._sets.pop(set_id).comm.Free()
 
@@ -434,13 +434,13 @@ class Executor:
                 # so this is where it can get a communicator of its own (a collective call).
                 plan.attach(group.comm.Dup(), self.algorithm, self.segment_bytes, lambda: self._stopping,
                             self._on_fatal, lambda: _lower_this_threads_priority(self.nice))
-                self._plan_comms.append(plan)
+                self._attached_plans.append(plan)
                 plan.run(plan.comm, joined=joined, algorithm=self.algorithm,
                          segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
             elif joined:  # the others' plan threads are already waiting for this rank's zeros
                 plan.run(plan.comm, joined=True, algorithm=self.algorithm,
                          segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
-            # else this step's run is on the plan's own thread, started by the first hook.
+            # else the plan's thread and the training thread run this step (GradientPlan.finish).
         if entry is not None:
             self._complete(entry, None)
 

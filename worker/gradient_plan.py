@@ -6,7 +6,7 @@ showed the steady shape of plain data-parallel training (every gradient produced
 backward pass, dense, on the CPU, reduced in its own dtype, no compression or groups), the
 optimizer switches to a :class:`GradientPlan`: the gradients are cut once into buckets, in
 the order backward produces them (the reverse of the parameter order), and each later step
-negotiates a single barrier-type request, sent by the first gradient hook of the step.
+negotiates a single barrier-type request, sent by ``step()``/``synchronize()``.
 
 The coordinator orders that request among all other collectives like any other. The
 plan's first run happens there, on the background thread: bucket by bucket,
@@ -15,16 +15,17 @@ then allreduces them (big gradients in place, small ones fused in a buffer of th
 own). At that point every member is at the same place in the collective order, so the
 background thread also gives the plan a communicator of its own (:meth:`GradientPlan.attach`).
 
-From then on the plan runs ahead of its negotiation, on a thread of its own: the first hook
-of a step both submits the step's request and starts the run, whose buckets go over the
-plan's communicator, where nothing else travels and every rank runs the same buckets in
-the same order (invariant 1 holds per communicator). A round trip to the coordinator on
-cores busy with a backward pass took 1-6 ms, most of the backward pass of a small model,
-and the buckets used to wait for it (docs/benchmarks.md). The request still goes to the
-coordinator every step, so a rank that never gets to the step is reported as a stall,
-a rank that has joined (``rm.join()``) learns of the step from its response and runs the
-plan with zeros on its background thread, as it contributes zeros to every other
-allreduce, and ``step()`` waits for both the response and the run.
+From then on the plan runs ahead of its negotiation: the first hook of a step wakes the
+plan's thread, which reduces buckets as they become ready, and ``step()`` reduces on the
+training thread whatever that thread has not started (:meth:`GradientPlan.finish`). The
+buckets go over the plan's communicator, where nothing else travels and every rank runs
+the same buckets in the same order (invariant 1 holds per communicator). A round trip to
+the coordinator on cores busy with a backward pass took 1-8 ms, and the buckets used to
+wait for it (docs/benchmarks.md). The request still goes to the coordinator every step,
+and nothing waits for its answer (the next step collects it): a rank that never gets to
+the step is reported as a stall, and a rank that has joined (``rm.join()``) learns of the
+step from the answer and runs the plan with zeros on its background thread, as it
+contributes zeros to every other allreduce.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class GradientPlan:
             prepare_thread()
             while self._steps.get():
                 try:
-                    self._run_ready_buckets(algorithm, segment_bytes, stopping)
+                    self._run_ready_buckets()
                 except Exception as error:  # noqa: BLE001 - the step's caller and the job must hear of it
                     failure = error if isinstance(error, RingmasterError) else RingmasterError(
                         f"rank {comm.Get_rank()} of the gradient plan's communicator: allreduce of "
@@ -208,8 +209,9 @@ class GradientPlan:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    def _run_ready_buckets(self, algorithm: str, segment_bytes: int, stopping: Callable[[], bool]) -> None:
+    def _run_ready_buckets(self) -> None:
         """The plan's thread: reduce buckets in order as they become ready, until the caller takes over."""
+        algorithm, segment_bytes, stopping = self._run_settings
         while True:
             with self._condition:
                 while (not self._caller_took_over and self._next_bucket < len(self.buckets)
