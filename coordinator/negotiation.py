@@ -350,6 +350,11 @@ class Negotiator:
     def has_ready(self) -> bool:
         return bool(self._ready)
 
+    def set_ranks(self, set_id: int) -> Optional[Tuple[int, ...]]:
+        """The members of process set ``set_id`` (global ranks, sorted); None if it is not registered."""
+        info = self._sets.get(set_id)
+        return None if info is None else info.ranks
+
     def has_partial(self) -> bool:
         """True when some tensor is declared by some ranks but not yet by all."""
         return bool(self._pending)

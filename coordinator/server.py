@@ -21,6 +21,7 @@ import grpc
 from ringmaster.common.config import Config
 from ringmaster.coordinator.auth import TokenInterceptor
 from ringmaster.coordinator.negotiation import Negotiator, Stall, describe_set
+from ringmaster.coordinator.plan_stalls import PlanStalls
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
 
@@ -101,6 +102,7 @@ class Coordinator:
         self._secret = secret
         self._sessions: Dict[int, RankSession] = {}
         self._negotiator = Negotiator(size, config.fusion_threshold_bytes)
+        self._plan_stalls = self._new_plan_stalls()
         self._sequence = 0
         self._welcomed = False
         self._generation_started = time.monotonic()
@@ -192,10 +194,13 @@ class Coordinator:
         elif which == "requests":
             for request in message.requests.requests:
                 self._negotiator.add_request(session.rank, request)
+        elif which == "heartbeat":
+            self._plan_stalls.report(session.rank, message.heartbeat.plans)
         elif which == "goodbye":
             session.said_goodbye = True
             session.close()
             self._negotiator.depart(session.rank, f"host {session.hostname}, pid {session.pid}")
+            self._plan_stalls.forget(session.rank)
 
     def _after_input(self) -> None:
         """Send what is ready, or, while other tensors are still arriving, wait one cycle to fuse."""
@@ -252,6 +257,7 @@ class Coordinator:
             self._finish()
             return
         self._negotiator = Negotiator(self.size, self.config.fusion_threshold_bytes)
+        self._plan_stalls = self._new_plan_stalls()
         self._sequence = 0
         self._welcomed = False
         self._generation_started = time.monotonic()
@@ -319,6 +325,8 @@ class Coordinator:
                         "submitted it. One rank may be running a different code path, or be stuck or slow.",
                         stall.name, _in_set(stall), stall.seconds, stall.waiting_ranks, stall.missing_ranks,
                         ", ".join(self._host_of(r) for r in stall.missing_ranks))
+        for stall in self._plan_stalls.stalls(self.config.stall_warning_s, self._negotiator.set_ranks):
+            log.warning("stall: %s", self._describe_plan_stall(stall))
         if self.config.stall_shutdown_s > 0:
             for stall in self._negotiator.stalls(self.config.stall_shutdown_s, only_new=False):
                 self._abort_job(pb.STALLED, f"tensor '{stall.name}'{_in_set(stall)} stalled for "
@@ -326,6 +334,25 @@ class Coordinator:
                                 f"{self.config.stall_shutdown_s:g}): ranks {stall.missing_ranks} never "
                                 f"submitted it", -1)
                 return
+            for stall in self._plan_stalls.stalls(self.config.stall_shutdown_s, self._negotiator.set_ranks,
+                                                  only_new=False):
+                self._abort_job(pb.STALLED, f"{self._describe_plan_stall(stall)} "
+                                f"(RINGMASTER_STALL_SHUTDOWN_S={self.config.stall_shutdown_s:g})", -1)
+                return
+
+    def _new_plan_stalls(self) -> PlanStalls:
+        # A rank waiting in a plan is idle on its stream, so it sends a heartbeat every interval.
+        return PlanStalls(stale_after_s=3 * self.config.heartbeat_interval_s)
+
+    def _describe_plan_stall(self, stall: Stall) -> str:
+        where = f"gradient plan '{stall.name}'{_in_set(stall)}: ranks {stall.waiting_ranks} have waited " \
+                f"{stall.seconds:.0f} s in its allreduce"
+        if not stall.missing_ranks:
+            return (f"{where}, and every member is in it: the network between them hangs or an "
+                    f"allreduce is far slower than expected")
+        return (f"{where}; ranks {stall.missing_ranks} ({', '.join(self._host_of(r) for r in stall.missing_ranks)}) "
+                f"never reached that training step. One rank may be running a different code path "
+                f"(fewer steps, no optimizer.step()), or be stuck or slow; a rank out of data calls rm.join()")
 
     def _host_of(self, rank: int) -> str:
         session = self._sessions.get(rank)

@@ -75,6 +75,36 @@ def mpi_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", source: n
 NONBLOCKING_MAX_BYTES = 1 << 20
 
 
+def can_start_allreduce(buffer: np.ndarray, op: str = "sum") -> bool:
+    """True if :func:`start_allreduce` takes ``buffer``: what :func:`mpi_allreduce` also runs as one MPI_Iallreduce.
+
+    A small buffer that MPI reduces in its own dtype (no wider copy).
+    """
+    return buffer.nbytes < NONBLOCKING_MAX_BYTES and not mpi_reduction(buffer.dtype, op).cast
+
+
+def start_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum") -> MPI.Request:
+    """Start :func:`mpi_allreduce` of ``buffer`` in place and return its request; wait for it with ``waiting.wait``.
+
+    The same MPI call as :func:`mpi_allreduce` makes for such a buffer, so a rank that
+    starts it matches peers that run :func:`mpi_allreduce` on the same length, dtype and
+    op. ``buffer`` must stay untouched until the request completes.
+    """
+    name = "start_allreduce"
+    _checks.check_comm(comm, name)
+    _checks.check_array(buffer, "buffer", name, writable=True)
+    _checks.check_op(op, name)
+    if not can_start_allreduce(buffer, op):
+        raise ValueError(f"{name}: {buffer.nbytes} bytes of {buffer.dtype} with op {op!r} is not one "
+                         f"MPI_Iallreduce in mpi_allreduce (check can_start_allreduce first)")
+    reduction = mpi_reduction(buffer.dtype, op)
+    size = comm.Get_size()
+    if size == 1 or buffer.size == 0:
+        return MPI.REQUEST_NULL
+    traffic.record("mpi_allreduce", 2 * (size - 1) * buffer.nbytes // size)
+    return comm.Iallreduce(MPI.IN_PLACE, [buffer.view(reduction.dtype), reduction.datatype], reduction.op)
+
+
 def _allreduce(comm: MPI.Comm, send, receive, op) -> None:
     buffer = receive[0]
     if buffer.nbytes < NONBLOCKING_MAX_BYTES:

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10ringmaster.proto\x12\nringmaster\"+\n\x0eProcessSetSpec\x12\n\n\x02id\x18\x01 \x01(\x05\x12\r\n\x05ranks\x18\x02 \x03(\x05\"\xef\x02\n\rTensorRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x07op_type\x18\x02 \x01(\x0e\x32\x12.ringmaster.OpType\x12\'\n\treduce_op\x18\x03 \x01(\x0e\x32\x14.ringmaster.ReduceOp\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x11\n\troot_rank\x18\x07 \x01(\x05\x12\x17\n\x0fprescale_factor\x18\x08 \x01(\x01\x12\x18\n\x10postscale_factor\x18\t \x01(\x01\x12\x13\n\x0b\x63ompression\x18\n \x01(\t\x12\x0e\n\x06splits\x18\x0b \x03(\x03\x12\r\n\x05group\x18\x0c \x01(\t\x12\x12\n\ngroup_size\x18\r \x01(\x05\x12\x16\n\x0eprocess_set_id\x18\x0e \x01(\x05\x12.\n\nset_change\x18\x0f \x01(\x0b\x32\x1a.ringmaster.ProcessSetSpec\":\n\x0bRequestList\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.ringmaster.TensorRequest\"E\n\x08Register\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"\x0b\n\tHeartbeat\"\t\n\x07Goodbye\"\xc0\x01\n\x0bRankMessage\x12(\n\x08register\x18\x01 \x01(\x0b\x32\x14.ringmaster.RegisterH\x00\x12+\n\x08requests\x18\x02 \x01(\x0b\x32\x17.ringmaster.RequestListH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.ringmaster.HeartbeatH\x00\x12&\n\x07goodbye\x18\x04 \x01(\x0b\x32\x13.ringmaster.GoodbyeH\x00\x42\x06\n\x04kind\"\x1b\n\x0bTensorShape\x12\x0c\n\x04\x64ims\x18\x01 \x03(\x03\"\xe8\x03\n\x08Response\x12#\n\x07op_type\x18\x01 \x01(\x0e\x32\x12.ringmaster.OpType\x12\'\n\treduce_op\x18\x02 \x01(\x0e\x32\x14.ringmaster.ReduceOp\x12\r\n\x05names\x18\x03 \x03(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x11\n\troot_rank\x18\x06 \x01(\x05\x12\x17\n\x0fprescale_factor\x18\x07 \x01(\x01\x12\x18\n\x10postscale_factor\x18\x08 \x01(\x01\x12\'\n\x06shapes\x18\t \x03(\x0b\x32\x17.ringmaster.TensorShape\x12\x12\n\nfirst_dims\x18\n \x03(\x03\x12\x0e\n\x06splits\x18\x0b \x03(\x03\x12\x14\n\x0cjoined_ranks\x18\x0c \x03(\x05\x12)\n\nerror_kind\x18\r \x01(\x0e\x32\x15.ringmaster.ErrorKind\x12\x15\n\rerror_message\x18\x0e \x01(\t\x12\x18\n\x10last_joined_rank\x18\x0f \x01(\x05\x12\x16\n\x0eprocess_set_id\x18\x10 \x01(\x05\x12.\n\nset_change\x18\x11 \x01(\x0b\x32\x1a.ringmaster.ProcessSetSpec\x12\x13\n\x0b\x63ompression\x18\x12 \x01(\t\"I\n\x0cResponseList\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\'\n\tresponses\x18\x02 \x03(\x0b\x32\x14.ringmaster.Response\"7\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\"<\n\x07Welcome\x12\x0c\n\x04size\x18\x01 \x01(\x05\x12#\n\x05ranks\x18\x02 \x03(\x0b\x32\x14.ringmaster.RankInfo\"f\n\x05\x41\x62ort\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.ringmaster.ErrorKind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x66\x61iled_rank\x18\x03 \x01(\x05\x12\x13\n\x0b\x66\x61iled_host\x18\x04 \x01(\t\"\x97\x01\n\x12\x43oordinatorMessage\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.ringmaster.WelcomeH\x00\x12-\n\tresponses\x18\x02 \x01(\x0b\x32\x18.ringmaster.ResponseListH\x00\x12\"\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x11.ringmaster.AbortH\x00\x42\x06\n\x04kind\"\x07\n\x05\x45mpty*\x9a\x01\n\x06OpType\x12\r\n\tALLREDUCE\x10\x00\x12\r\n\tALLGATHER\x10\x01\x12\r\n\tBROADCAST\x10\x02\x12\x0c\n\x08\x41LLTOALL\x10\x03\x12\x11\n\rREDUCESCATTER\x10\x04\x12\x0b\n\x07\x42\x41RRIER\x10\x05\x12\x08\n\x04JOIN\x10\x06\x12\x13\n\x0fPROCESS_SET_ADD\x10\x07\x12\x16\n\x12PROCESS_SET_REMOVE\x10\x08*K\n\x08ReduceOp\x12\x0b\n\x07\x41VERAGE\x10\x00\x12\x07\n\x03SUM\x10\x01\x12\n\n\x06\x41\x44\x41SUM\x10\x02\x12\x07\n\x03MIN\x10\x03\x12\x07\n\x03MAX\x10\x04\x12\x0b\n\x07PRODUCT\x10\x05*{\n\tErrorKind\x12\x0c\n\x08NO_ERROR\x10\x00\x12\x0c\n\x08MISMATCH\x10\x01\x12\x0f\n\x0bRANK_FAILED\x10\x02\x12\x0b\n\x07STALLED\x10\x03\x12\x13\n\x0fINVALID_REQUEST\x10\x04\x12\x0c\n\x08PROTOCOL\x10\x05\x12\x11\n\rSTART_TIMEOUT\x10\x06\x32\x85\x01\n\x0b\x43oordinator\x12H\n\tNegotiate\x12\x17.ringmaster.RankMessage\x1a\x1e.ringmaster.CoordinatorMessage(\x01\x30\x01\x12,\n\x04Ping\x12\x11.ringmaster.Empty\x1a\x11.ringmaster.Emptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10ringmaster.proto\x12\nringmaster\"+\n\x0eProcessSetSpec\x12\n\n\x02id\x18\x01 \x01(\x05\x12\r\n\x05ranks\x18\x02 \x03(\x05\"\xef\x02\n\rTensorRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x07op_type\x18\x02 \x01(\x0e\x32\x12.ringmaster.OpType\x12\'\n\treduce_op\x18\x03 \x01(\x0e\x32\x14.ringmaster.ReduceOp\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x11\n\troot_rank\x18\x07 \x01(\x05\x12\x17\n\x0fprescale_factor\x18\x08 \x01(\x01\x12\x18\n\x10postscale_factor\x18\t \x01(\x01\x12\x13\n\x0b\x63ompression\x18\n \x01(\t\x12\x0e\n\x06splits\x18\x0b \x03(\x03\x12\r\n\x05group\x18\x0c \x01(\t\x12\x12\n\ngroup_size\x18\r \x01(\x05\x12\x16\n\x0eprocess_set_id\x18\x0e \x01(\x05\x12.\n\nset_change\x18\x0f \x01(\x0b\x32\x1a.ringmaster.ProcessSetSpec\":\n\x0bRequestList\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.ringmaster.TensorRequest\"E\n\x08Register\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"S\n\x08PlanWait\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0eprocess_set_id\x18\x02 \x01(\x05\x12\x11\n\twaiting_s\x18\x03 \x01(\x01\x12\x0e\n\x06joined\x18\x04 \x01(\x08\"0\n\tHeartbeat\x12#\n\x05plans\x18\x01 \x03(\x0b\x32\x14.ringmaster.PlanWait\"\t\n\x07Goodbye\"\xc0\x01\n\x0bRankMessage\x12(\n\x08register\x18\x01 \x01(\x0b\x32\x14.ringmaster.RegisterH\x00\x12+\n\x08requests\x18\x02 \x01(\x0b\x32\x17.ringmaster.RequestListH\x00\x12*\n\theartbeat\x18\x03 \x01(\x0b\x32\x15.ringmaster.HeartbeatH\x00\x12&\n\x07goodbye\x18\x04 \x01(\x0b\x32\x13.ringmaster.GoodbyeH\x00\x42\x06\n\x04kind\"\x1b\n\x0bTensorShape\x12\x0c\n\x04\x64ims\x18\x01 \x03(\x03\"\xe8\x03\n\x08Response\x12#\n\x07op_type\x18\x01 \x01(\x0e\x32\x12.ringmaster.OpType\x12\'\n\treduce_op\x18\x02 \x01(\x0e\x32\x14.ringmaster.ReduceOp\x12\r\n\x05names\x18\x03 \x03(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x11\n\troot_rank\x18\x06 \x01(\x05\x12\x17\n\x0fprescale_factor\x18\x07 \x01(\x01\x12\x18\n\x10postscale_factor\x18\x08 \x01(\x01\x12\'\n\x06shapes\x18\t \x03(\x0b\x32\x17.ringmaster.TensorShape\x12\x12\n\nfirst_dims\x18\n \x03(\x03\x12\x0e\n\x06splits\x18\x0b \x03(\x03\x12\x14\n\x0cjoined_ranks\x18\x0c \x03(\x05\x12)\n\nerror_kind\x18\r \x01(\x0e\x32\x15.ringmaster.ErrorKind\x12\x15\n\rerror_message\x18\x0e \x01(\t\x12\x18\n\x10last_joined_rank\x18\x0f \x01(\x05\x12\x16\n\x0eprocess_set_id\x18\x10 \x01(\x05\x12.\n\nset_change\x18\x11 \x01(\x0b\x32\x1a.ringmaster.ProcessSetSpec\x12\x13\n\x0b\x63ompression\x18\x12 \x01(\t\"I\n\x0cResponseList\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\'\n\tresponses\x18\x02 \x03(\x0b\x32\x14.ringmaster.Response\"7\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\"<\n\x07Welcome\x12\x0c\n\x04size\x18\x01 \x01(\x05\x12#\n\x05ranks\x18\x02 \x03(\x0b\x32\x14.ringmaster.RankInfo\"f\n\x05\x41\x62ort\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.ringmaster.ErrorKind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x66\x61iled_rank\x18\x03 \x01(\x05\x12\x13\n\x0b\x66\x61iled_host\x18\x04 \x01(\t\"\x97\x01\n\x12\x43oordinatorMessage\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.ringmaster.WelcomeH\x00\x12-\n\tresponses\x18\x02 \x01(\x0b\x32\x18.ringmaster.ResponseListH\x00\x12\"\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x11.ringmaster.AbortH\x00\x42\x06\n\x04kind\"\x07\n\x05\x45mpty*\x9a\x01\n\x06OpType\x12\r\n\tALLREDUCE\x10\x00\x12\r\n\tALLGATHER\x10\x01\x12\r\n\tBROADCAST\x10\x02\x12\x0c\n\x08\x41LLTOALL\x10\x03\x12\x11\n\rREDUCESCATTER\x10\x04\x12\x0b\n\x07\x42\x41RRIER\x10\x05\x12\x08\n\x04JOIN\x10\x06\x12\x13\n\x0fPROCESS_SET_ADD\x10\x07\x12\x16\n\x12PROCESS_SET_REMOVE\x10\x08*K\n\x08ReduceOp\x12\x0b\n\x07\x41VERAGE\x10\x00\x12\x07\n\x03SUM\x10\x01\x12\n\n\x06\x41\x44\x41SUM\x10\x02\x12\x07\n\x03MIN\x10\x03\x12\x07\n\x03MAX\x10\x04\x12\x0b\n\x07PRODUCT\x10\x05*{\n\tErrorKind\x12\x0c\n\x08NO_ERROR\x10\x00\x12\x0c\n\x08MISMATCH\x10\x01\x12\x0f\n\x0bRANK_FAILED\x10\x02\x12\x0b\n\x07STALLED\x10\x03\x12\x13\n\x0fINVALID_REQUEST\x10\x04\x12\x0c\n\x08PROTOCOL\x10\x05\x12\x11\n\rSTART_TIMEOUT\x10\x06\x32\x85\x01\n\x0b\x43oordinator\x12H\n\tNegotiate\x12\x17.ringmaster.RankMessage\x1a\x1e.ringmaster.CoordinatorMessage(\x01\x30\x01\x12,\n\x04Ping\x12\x11.ringmaster.Empty\x1a\x11.ringmaster.Emptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ringmaster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPTYPE']._serialized_start=1779
-  _globals['_OPTYPE']._serialized_end=1933
-  _globals['_REDUCEOP']._serialized_start=1935
-  _globals['_REDUCEOP']._serialized_end=2010
-  _globals['_ERRORKIND']._serialized_start=2012
-  _globals['_ERRORKIND']._serialized_end=2135
+  _globals['_OPTYPE']._serialized_start=1901
+  _globals['_OPTYPE']._serialized_end=2055
+  _globals['_REDUCEOP']._serialized_start=2057
+  _globals['_REDUCEOP']._serialized_end=2132
+  _globals['_ERRORKIND']._serialized_start=2134
+  _globals['_ERRORKIND']._serialized_end=2257
   _globals['_PROCESSSETSPEC']._serialized_start=32
   _globals['_PROCESSSETSPEC']._serialized_end=75
   _globals['_TENSORREQUEST']._serialized_start=78
@@ -45,28 +45,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUESTLIST']._serialized_end=505
   _globals['_REGISTER']._serialized_start=507
   _globals['_REGISTER']._serialized_end=576
-  _globals['_HEARTBEAT']._serialized_start=578
-  _globals['_HEARTBEAT']._serialized_end=589
-  _globals['_GOODBYE']._serialized_start=591
-  _globals['_GOODBYE']._serialized_end=600
-  _globals['_RANKMESSAGE']._serialized_start=603
-  _globals['_RANKMESSAGE']._serialized_end=795
-  _globals['_TENSORSHAPE']._serialized_start=797
-  _globals['_TENSORSHAPE']._serialized_end=824
-  _globals['_RESPONSE']._serialized_start=827
-  _globals['_RESPONSE']._serialized_end=1315
-  _globals['_RESPONSELIST']._serialized_start=1317
-  _globals['_RESPONSELIST']._serialized_end=1390
-  _globals['_RANKINFO']._serialized_start=1392
-  _globals['_RANKINFO']._serialized_end=1447
-  _globals['_WELCOME']._serialized_start=1449
-  _globals['_WELCOME']._serialized_end=1509
-  _globals['_ABORT']._serialized_start=1511
-  _globals['_ABORT']._serialized_end=1613
-  _globals['_COORDINATORMESSAGE']._serialized_start=1616
-  _globals['_COORDINATORMESSAGE']._serialized_end=1767
-  _globals['_EMPTY']._serialized_start=1769
-  _globals['_EMPTY']._serialized_end=1776
-  _globals['_COORDINATOR']._serialized_start=2138
-  _globals['_COORDINATOR']._serialized_end=2271
+  _globals['_PLANWAIT']._serialized_start=578
+  _globals['_PLANWAIT']._serialized_end=661
+  _globals['_HEARTBEAT']._serialized_start=663
+  _globals['_HEARTBEAT']._serialized_end=711
+  _globals['_GOODBYE']._serialized_start=713
+  _globals['_GOODBYE']._serialized_end=722
+  _globals['_RANKMESSAGE']._serialized_start=725
+  _globals['_RANKMESSAGE']._serialized_end=917
+  _globals['_TENSORSHAPE']._serialized_start=919
+  _globals['_TENSORSHAPE']._serialized_end=946
+  _globals['_RESPONSE']._serialized_start=949
+  _globals['_RESPONSE']._serialized_end=1437
+  _globals['_RESPONSELIST']._serialized_start=1439
+  _globals['_RESPONSELIST']._serialized_end=1512
+  _globals['_RANKINFO']._serialized_start=1514
+  _globals['_RANKINFO']._serialized_end=1569
+  _globals['_WELCOME']._serialized_start=1571
+  _globals['_WELCOME']._serialized_end=1631
+  _globals['_ABORT']._serialized_start=1633
+  _globals['_ABORT']._serialized_end=1735
+  _globals['_COORDINATORMESSAGE']._serialized_start=1738
+  _globals['_COORDINATORMESSAGE']._serialized_end=1889
+  _globals['_EMPTY']._serialized_start=1891
+  _globals['_EMPTY']._serialized_end=1898
+  _globals['_COORDINATOR']._serialized_start=2260
+  _globals['_COORDINATOR']._serialized_end=2393
 # @@protoc_insertion_point(module_scope)

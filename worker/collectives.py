@@ -472,7 +472,9 @@ def join(device=-1) -> int:
     state = runtime()
     handle = state.handles.new("join")
     state.submit_join(handle)
-    return synchronize(handle.id)
+    last_joined = synchronize(handle.id)
+    state.executor.wait_joined_plans(lambda: state.fatal_error)
+    return last_joined
 
 
 def poll(handle: int) -> bool:

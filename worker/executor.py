@@ -153,6 +153,27 @@ class Executor:
         """Run ``plan`` (a GradientPlan) when the barrier named ``plan.request_name`` comes up in the order."""
         self._plans[(process_set_id, plan.request_name)] = plan
 
+    def serve_joined_plans(self) -> None:
+        """This rank joins: its gradient plans of the global set add zeros to the others' steps."""
+        for plan in list(self._attached_plans):
+            if plan.process_set_id == 0:
+                plan.serve_joined()
+
+    def wait_joined_plans(self, failed) -> None:
+        """Return once every member has joined each plan (see :meth:`serve_joined_plans`)."""
+        for plan in list(self._attached_plans):
+            plan.wait_joined(failed)
+
+    def plan_waits(self) -> List[pb.PlanWait]:
+        """The gradient plans this rank waits in now, for the coordinator (sent with heartbeats)."""
+        waits = []
+        for plan in list(self._attached_plans):
+            waiting_s, joined = plan.wait_state()
+            if waiting_s > 0 or joined:
+                waits.append(pb.PlanWait(name=plan.request_name, process_set_id=plan.process_set_id,
+                                         waiting_s=waiting_s, joined=joined))
+        return waits
+
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Finish queued work and end the thread; False if it is stuck (e.g. in MPI)."""
         self._stopping = True  # a gradient plan waiting for this rank's backward pass gives up
@@ -428,19 +449,17 @@ class Executor:
         entry = self._take(response, response.names[0])
         plan = self._plans.get((response.process_set_id, response.names[0]))
         joined = entry is None and self.rank in response.joined_ranks
-        if plan is not None and (entry is not None or joined):
-            if not plan.runs_ahead():
-                # The plan's first run: every member is here, at the same place in the order,
-                # so this is where it can get a communicator of its own (a collective call).
-                plan.attach(group.comm.Dup(), self.algorithm, self.segment_bytes, lambda: self._stopping,
-                            self._on_fatal, lambda: _lower_this_threads_priority(self.nice))
-                self._attached_plans.append(plan)
-                plan.run(plan.comm, joined=joined, algorithm=self.algorithm,
-                         segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
-            elif joined:  # the others' plan threads are already waiting for this rank's zeros
-                plan.run(plan.comm, joined=True, algorithm=self.algorithm,
-                         segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
-            # else the plan's thread and the training thread run this step (GradientPlan.finish).
+        if plan is not None and (entry is not None or joined) and not plan.runs_ahead():
+            # The plan's first run: every member is here, at the same place in the order, so
+            # this is where it can get a communicator of its own (a collective call). Its
+            # later steps go over that communicator without negotiation (GradientPlan.finish).
+            plan.attach(group.comm.Dup(), self.algorithm, self.segment_bytes, lambda: self._stopping,
+                        self._on_fatal, lambda: _lower_this_threads_priority(self.nice))
+            self._attached_plans.append(plan)
+            plan.run(plan.comm, joined=joined, algorithm=self.algorithm,
+                     segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
+            if joined:  # the others' next steps open with a header this rank must answer
+                plan.serve_joined()
         if entry is not None:
             self._complete(entry, None)
 

@@ -1,43 +1,54 @@
-"""A fixed schedule for DistributedOptimizer's gradient allreduces, negotiated once per step.
+"""A fixed schedule for DistributedOptimizer's gradient allreduces, run without negotiation.
 
 The first step of a ``DistributedOptimizer`` negotiates every gradient with the
 coordinator, which checks names, shapes and dtypes across ranks. If on every rank that step
 showed the steady shape of plain data-parallel training (every gradient produced by one
 backward pass, dense, on the CPU, reduced in its own dtype, no compression or groups), the
 optimizer switches to a :class:`GradientPlan`: the gradients are cut once into buckets, in
-the order backward produces them (the reverse of the parameter order), and each later step
-negotiates a single barrier-type request, sent by ``step()``/``synchronize()``.
+the order backward produces them (the reverse of the parameter order).
 
-The coordinator orders that request among all other collectives like any other. The
-plan's first run happens there, on the background thread: bucket by bucket,
-:meth:`GradientPlan.run` waits until the hooks have handed over the bucket's gradients,
-then allreduces them (big gradients in place, small ones fused in a buffer of the bucket's
-own). At that point every member is at the same place in the collective order, so the
-background thread also gives the plan a communicator of its own (:meth:`GradientPlan.attach`).
+The plan's first run is negotiated: ``step()``/``synchronize()`` sends one barrier-type
+request, which the coordinator orders among all other collectives like any other. The
+background thread runs the plan there (:meth:`GradientPlan.run`): bucket by bucket, it
+waits until the hooks have handed over the bucket's gradients, then allreduces them (big
+gradients in place, small ones fused in a buffer of the bucket's own). At that point every
+member is at the same place in the collective order, so the background thread also gives
+the plan a communicator of its own (:meth:`GradientPlan.attach`).
 
-From then on the plan runs ahead of its negotiation: the first hook of a step wakes the
-plan's thread, which reduces buckets as they become ready, and ``step()`` reduces on the
-training thread whatever that thread has not started (:meth:`GradientPlan.finish`). The
-buckets go over the plan's communicator, where nothing else travels and every rank runs
-the same buckets in the same order (invariant 1 holds per communicator). A round trip to
-the coordinator on cores busy with a backward pass took 1-8 ms, and the buckets used to
-wait for it (docs/benchmarks.md). The request still goes to the coordinator every step,
-and nothing waits for its answer (the next step collects it): a rank that never gets to
-the step is reported as a stall, and a rank that has joined (``rm.join()``) learns of the
-step from the answer and runs the plan with zeros on its background thread, as it
-contributes zeros to every other allreduce.
+Later steps are not negotiated at all. The first hook of a step wakes the plan's thread,
+which reduces buckets as they become ready, and ``step()`` reduces on the training thread
+whatever that thread has not started (:meth:`GradientPlan.finish`). The buckets go over the
+plan's communicator, where nothing else travels and every rank runs the same buckets in the
+same order (invariant 1 holds per communicator). A request to the coordinator per step cost
+each rank about 1 ms of CPU on cores the backward pass keeps busy (docs/benchmarks.md).
+What the negotiation did is done otherwise:
+
+- Each step opens with a one-integer allreduce, the header: how many members train this
+  step. A rank that has joined (``rm.join()``) answers every header with 0 from the plan's
+  thread and adds zeros to the step's buckets, as it adds zeros to every other allreduce;
+  when the header sums to 0, every member has joined and the joined ranks stop.
+- A rank that never gets to a step leaves the others waiting in that step's allreduce.
+  Each rank's heartbeats say which plans it waits in and for how long
+  (:meth:`GradientPlan.wait_state`), and the coordinator names the members that are not in
+  it (``ringmaster.coordinator.plan_stalls``), with the same warning and shutdown limits as
+  any stalled tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import queue
 import threading
-from typing import Callable, List, Optional, Sequence
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+from mpi4py import MPI
 
 from ringmaster import ops
+from ringmaster.ops.waiting import wait
 from ringmaster.worker import timeline
 from ringmaster.worker.errors import RingmasterError
 from ringmaster.worker.tensors import flat_array
@@ -49,6 +60,9 @@ ALONE_MIN_BYTES = 1 << 20
 FUSED_BUCKET_BYTES = 4 << 20
 #: How often a wait for gradients checks whether the runtime is stopping.
 _WAIT_SLICE_S = 0.5
+#: What the plan's thread is asked to do (its queue also carries None: end the thread).
+_RUN_STEP = "run step"
+_SERVE_JOINED = "serve joined"
 
 
 class _Bucket:
@@ -70,10 +84,12 @@ class GradientPlan:
         names: their names (for errors and the timeline).
         prescale, postscale: Horovod's factors (``postscale`` already includes 1/size for
             an average).
+        process_set_id: the process set whose members run the plan.
     """
 
     def __init__(self, parameters: Sequence[torch.Tensor], names: Sequence[str], prescale: float,
-                 postscale: float):
+                 postscale: float, process_set_id: int = 0):
+        self.process_set_id = process_set_id
         self.parameters = list(parameters)
         self.names = list(names)
         self.prescale = prescale
@@ -89,7 +105,7 @@ class GradientPlan:
         #: The plan's own communicator, from its first run on (see :meth:`attach`).
         self.comm = None
         self._run_settings = None                     # (algorithm, segment_bytes, stopping)
-        self._steps: "queue.Queue" = queue.Queue()  # True: a step to run ahead; None ends the thread
+        self._steps: "queue.Queue" = queue.Queue()  # _RUN_STEP, _SERVE_JOINED, or None: end the thread
         self._thread: Optional[threading.Thread] = None
         # Which thread reduces which bucket (see run_ahead/finish): buckets run one at a time,
         # in order, whoever runs them, so every rank sends the same messages in the same order.
@@ -97,6 +113,15 @@ class GradientPlan:
         self._bucket_running = False
         self._caller_took_over = False
         self._error: Optional[BaseException] = None
+        self._header_request = None  # this step's header (see _open_step)
+        self._header_count = None
+        self._deferred: List[bool] = []  # per bucket: started, then collected at the end of the step
+        self._in_flight: list = []       # (bucket number, request, gradients) of this step's deferred buckets
+        # For the coordinator's stall report (wait_state): when the running allreduce began.
+        self._communicating_since: Optional[float] = None
+        self._serving_joined = False
+        self._joined_done = threading.Event()
+        self._joined_done.set()
 
     # -------------------------------------------------------- user's thread
     def runs_ahead(self) -> bool:
@@ -114,12 +139,13 @@ class GradientPlan:
             self._caller_took_over = False
 
     def run_ahead(self) -> None:
-        """Let the plan's thread reduce this step's buckets as their gradients arrive.
+        """Open this step with its header, and let the plan's thread reduce its buckets as they become ready.
 
         The thread runs at the background thread's priority, on cycles the backward pass
         leaves; :meth:`finish` takes over whatever it has not started.
         """
-        self._steps.put(True)
+        self._open_step()
+        self._steps.put(_RUN_STEP)
 
     def finish(self, failed: Callable[[], Optional[BaseException]]) -> None:
         """Reduce, on the calling thread, every bucket the plan's thread has not started; return when all are done.
@@ -142,9 +168,10 @@ class GradientPlan:
                 if self._error is not None:
                     raise self._error
                 if self._next_bucket >= len(self.buckets):
-                    return
+                    break
                 number = self._claim_bucket()
             self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
+        self._close_step()
 
     def mark_ready(self, index: int, gradient: torch.Tensor) -> None:
         """Hand over the gradient of parameter ``index`` for this step."""
@@ -179,12 +206,19 @@ class GradientPlan:
         """
         self.comm = comm
         self._run_settings = (algorithm, segment_bytes, stopping)
+        self._deferred = [self._can_defer(bucket, algorithm) for bucket in self.buckets]
 
         def serve():
             prepare_thread()
-            while self._steps.get():
+            while True:
+                task = self._steps.get()
+                if task is None:
+                    return
                 try:
-                    self._run_ready_buckets()
+                    if task == _SERVE_JOINED:
+                        self._serve_joined()
+                    else:
+                        self._run_ready_buckets()
                 except Exception as error:  # noqa: BLE001 - the step's caller and the job must hear of it
                     failure = error if isinstance(error, RingmasterError) else RingmasterError(
                         f"rank {comm.Get_rank()} of the gradient plan's communicator: allreduce of "
@@ -192,6 +226,7 @@ class GradientPlan:
                     with self._condition:
                         self._error = failure
                         self._condition.notify_all()
+                    self._joined_done.set()
                     on_fatal(failure)
                     return
 
@@ -232,18 +267,135 @@ class GradientPlan:
     def _reduce_bucket_releasing(self, number: int, algorithm: str, segment_bytes: int,
                                  stopping: Callable[[], bool]) -> None:
         try:
-            self._reduce_bucket(number, self.comm, self._take(number, stopping), algorithm, segment_bytes)
+            gradients = self._take(number, stopping)
+            if self._deferred[number]:
+                self._start_deferred(number, gradients)
+            else:
+                with self._communicating():
+                    self._reduce_bucket(number, self.comm, gradients, algorithm, segment_bytes)
         finally:
             with self._condition:
                 self._bucket_running = False
                 self._condition.notify_all()
 
+    # ------------------------------------------------------ joined ranks
+    def serve_joined(self) -> None:
+        """This rank has joined: add zeros to the others' steps until every member has joined.
+
+        Runs on the plan's thread. Called by ``rm.join()``, or by the background thread when
+        this rank had joined before the plan's first run. Idempotent until that ends.
+        """
+        with self._condition:
+            if self._serving_joined or self.comm is None:
+                return
+            self._serving_joined = True
+            self._joined_done.clear()
+        self._steps.put(_SERVE_JOINED)
+
+    def wait_joined(self, failed: Callable[[], Optional[BaseException]]) -> None:
+        """Return once :meth:`serve_joined`'s zeros are no longer needed (every member joined)."""
+        while not self._joined_done.wait(_WAIT_SLICE_S):
+            error = failed()
+            if error is not None:
+                raise error
+        if self._error is not None:
+            raise self._error
+
+    def _serve_joined(self) -> None:
+        algorithm, segment_bytes, _ = self._run_settings
+        try:
+            while self._header(live=False) > 0:
+                for number in range(len(self.buckets)):
+                    with self._communicating():
+                        self._reduce_bucket(number, self.comm, None, algorithm, segment_bytes)
+        finally:
+            with self._condition:
+                self._serving_joined = False
+            self._joined_done.set()
+
+    def wait_state(self) -> Tuple[float, bool]:
+        """(seconds this rank has been in the plan's current allreduce, 0 if none; serving as joined).
+
+        A joined rank's waits are not counted: it waits for the others by design.
+        """
+        with self._condition:
+            since, joined = self._communicating_since, self._serving_joined
+        if joined or since is None:
+            return 0.0, joined
+        return time.monotonic() - since, False
+
+    def _open_step(self) -> None:
+        """Start this rank's header of the step: it trains (a joined rank answers 0).
+
+        Nobody on this rank waits for it: only joined ranks need the sum. It completes while
+        the buckets run (their MPI calls drive its progress) and :meth:`_close_step` collects it.
+        """
+        self._header_count = np.ones(1, dtype=np.int32)
+        self._header_request = self.comm.Iallreduce(MPI.IN_PLACE, self._header_count, MPI.SUM)
+
+    def _close_step(self) -> None:
+        """Collect the step's header and its deferred buckets (see :meth:`_start_deferred`)."""
+        request, self._header_request = self._header_request, None
+        in_flight, self._in_flight = self._in_flight, []
+        with self._communicating():
+            if request is not None:
+                wait(request)
+            for number, bucket_request, gradients in in_flight:
+                wait(bucket_request)
+                self._unpack(number, self.buckets[number].buffer, gradients)
+
+    # -------------------------------------------------------- deferred buckets
+    def _can_defer(self, bucket: _Bucket, algorithm: str) -> bool:
+        """Whether a bucket is small enough to start now and collect at the end of the step.
+
+        Such a bucket is one MPI_Iallreduce whichever way it runs (a joined rank's zeros
+        make the same call through ``ops.allreduce``), and waiting for it on the spot costs
+        a round trip of latency each time, with nothing to show for it.
+        """
+        if not bucket.fused:
+            return False
+        work = flat_array(bucket.buffer)
+        chosen = algorithm if algorithm != "auto" else ops.choose_algorithm(
+            work.nbytes, self.comm.Get_size(), work.dtype, "sum")
+        return chosen == "mpi" and ops.can_start_allreduce(work, "sum")
+
+    def _start_deferred(self, number: int, gradients: List[torch.Tensor]) -> None:
+        """Start bucket ``number``'s allreduce; :meth:`_close_step` waits for it and unpacks it."""
+        bucket = self.buckets[number]
+        recording = timeline.active()
+        if recording is not None:
+            names = [self.names[i] for i in bucket.indices]
+            recording.end(names)
+            recording.begin(names, "ALLREDUCE")
+        torch.cat([g.reshape(-1) for g in gradients], out=bucket.buffer)
+        if self.prescale != 1.0:
+            bucket.buffer.mul_(self.prescale)
+        self._in_flight.append((number, ops.start_allreduce(self.comm, flat_array(bucket.buffer), "sum"),
+                                gradients))
+
+    def _header(self, live: bool) -> int:
+        """A joined rank's side of a step's header: how many members train in the step."""
+        count = np.array([1 if live else 0], dtype=np.int32)
+        with self._communicating():
+            wait(self.comm.Iallreduce(MPI.IN_PLACE, count, MPI.SUM))
+        return int(count[0])
+
+    @contextlib.contextmanager
+    def _communicating(self):
+        with self._condition:
+            self._communicating_since = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._communicating_since = None
+
+    # ------------------------------------------------------------ first run
     def run(self, comm, joined: bool, algorithm: str, segment_bytes: int,
             stopping: Callable[[], bool]) -> None:
-        """Allreduce every bucket in order over ``comm``, on the background thread.
+        """Allreduce every bucket in order over ``comm``: the plan's first run, on the background thread.
 
-        For the plan's first run (at its place in the collective order), and on a rank that
-        has joined, which adds zeros to the others' steps.
+        It runs at the plan's place in the collective order; a rank that has joined adds zeros.
         """
         for number in range(len(self.buckets)):
             self._reduce_bucket(number, comm, None if joined else self._take(number, stopping),
@@ -272,13 +424,21 @@ class GradientPlan:
         if self.prescale != 1.0:
             work.mul_(self.prescale)
         ops.allreduce(comm, flat_array(work), "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
+        self._unpack(number, work, gradients, scaled=True)
+
+    def _unpack(self, number: int, work: torch.Tensor, gradients: List[torch.Tensor], scaled: bool = False) -> None:
+        """Put bucket ``number``'s reduced ``work`` into its gradients (after the postscale, unless ``scaled``)."""
+        bucket = self.buckets[number]
+        if not scaled and self.postscale != 1.0:
+            work.mul_(self.postscale)
         if bucket.fused:
             for gradient, part in zip(gradients, work.split(bucket.sizes)):
                 gradient.copy_(part.view_as(gradient))
         elif work is not gradients[0]:
             gradients[0].copy_(work)
+        recording = timeline.active()
         if recording is not None:
-            recording.end(names)
+            recording.end([self.names[i] for i in bucket.indices])
 
     def _take(self, number: int, stopping: Callable[[], bool]) -> List[torch.Tensor]:
         """Bucket ``number``'s gradients, once all are handed over."""

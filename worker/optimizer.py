@@ -6,8 +6,8 @@ accumulated it, so the gradients of the last layers travel while the backward pa
 first layers still runs. ``step()`` waits for them, then runs the wrapped optimizer.
 
 The first step negotiates each gradient with the coordinator. When that step shows plain
-data-parallel training on every rank, later steps follow a fixed plan of buckets negotiated
-once per step (``ringmaster.worker.gradient_plan``).
+data-parallel training on every rank, later steps follow a fixed plan of buckets that runs
+on a communicator of its own, without negotiation (``ringmaster.worker.gradient_plan``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # The fixed gradient plan: None until the first step shows it fits (on every rank).
         self._plan: Optional[GradientPlan] = None
         self._plan_step_open = False              # a step of the plan has started (its first hook fired)
-        self._plan_negotiation: Optional[int] = None  # handle of the last step's request to the coordinator
         self._plan_filled: set = set()            # parameters the plan reduced as zeros this step
         self._plan_decided = False
         self._plan_possible = (state.config.gradient_plan and self._sparsifier is None and not self._groups
@@ -136,7 +135,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         prescale, postscale = self._scaling()
         if self._op == collectives.Average:
             postscale /= self._process_set.size()
-        plan = GradientPlan(order, [_NAME_PREFIX + self._parameter_names[p] for p in order], prescale, postscale)
+        plan = GradientPlan(order, [_NAME_PREFIX + self._parameter_names[p] for p in order], prescale, postscale,
+                            self._process_set.process_set_id)
         # Sum of ones: a rank that has joined adds zero, and then no plan is used.
         votes = collectives.allreduce(torch.tensor([1 if fits else 0], dtype=torch.int32), op=collectives.Sum,
                                       name=plan.request_name + ".agree", process_set=self._process_set)
@@ -182,19 +182,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._start_plan_step()
         self._plan_fill_missing()
         try:
-            if self._plan_negotiation is not None:  # the previous step's (long answered)
-                negotiated, self._plan_negotiation = self._plan_negotiation, None
-                collectives.synchronize(negotiated)
-            # The step's one request goes out after backward, where its round trip through the
-            # coordinator takes no CPU time from the backward pass, and before this rank's
-            # buckets, which a rank that has joined only joins once the request is answered.
-            negotiated = collectives._barrier_async(self._plan.request_name, self._process_set.process_set_id)
-            if self._plan.runs_ahead():
-                # Nothing waits for the answer: the buckets go over the plan's own communicator.
-                self._plan_negotiation = negotiated
+            if self._plan.runs_ahead():  # no negotiation: the buckets go over the plan's own communicator
                 self._plan.finish(lambda: runtime().fatal_error)
-            else:  # the plan's first run, on the background thread at the request's place in the order
-                collectives.synchronize(negotiated)
+            else:  # the plan's first run, on the background thread at its request's place in the order
+                collectives.synchronize(collectives._barrier_async(self._plan.request_name,
+                                                                   self._process_set.process_set_id))
         finally:
             self._plan_step_open = False
             self._plan_filled.clear()

@@ -3,7 +3,8 @@
 Requests accumulate without waking the sending thread for each one. They go out when the
 caller flushes (it is about to wait on a handle, or made a synchronous call), or at the
 latest one cycle after the first of them arrived, the case of gradient hooks firing during
-a backward pass. An idle stream carries a heartbeat every ``heartbeat_interval_s``.
+a backward pass. An idle stream carries a heartbeat every ``heartbeat_interval_s``, with
+what the caller's ``heartbeat`` function puts in it (the gradient plans the rank waits in).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ringmaster.proto import ringmaster_pb2 as pb
 
@@ -24,11 +25,14 @@ class Outbox:
     Args:
         cycle_time_s: longest a request waits for more to join it when nobody flushes.
         heartbeat_interval_s: an idle stream sends a heartbeat this often.
+        heartbeat: builds each heartbeat (called on gRPC's sending thread); an empty one if None.
     """
 
-    def __init__(self, cycle_time_s: float, heartbeat_interval_s: float):
+    def __init__(self, cycle_time_s: float, heartbeat_interval_s: float,
+                 heartbeat: Optional[Callable[[], pb.Heartbeat]] = None):
         self._cycle_time_s = cycle_time_s
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat = heartbeat or pb.Heartbeat
         self._condition = threading.Condition()
         self._pending: List[pb.TensorRequest] = []
         self._first_pending_at = 0.0
@@ -83,7 +87,7 @@ class Outbox:
                     self._condition.wait(max(0.0, self._first_pending_at + self._cycle_time_s - time.monotonic()))
                 elif not self._condition.wait(self._heartbeat_interval_s):
                     if not (self._pending or self._control):
-                        return pb.RankMessage(heartbeat=pb.Heartbeat())
+                        return pb.RankMessage(heartbeat=self._heartbeat())
 
     def _cycle_over(self) -> bool:
         return time.monotonic() >= self._first_pending_at + self._cycle_time_s

@@ -48,7 +48,8 @@ class Runtime:
         self.executor = Executor(comm, self.table, config.allreduce_algorithm,
                                  on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
                                  across_hosts=self.cross_size > 1)
-        self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s)
+        self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s,
+                             heartbeat=lambda: pb.Heartbeat(plans=self.executor.plan_waits()))
         self.client = CoordinatorClient(
             self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
             self.outbox, on_responses=self.executor.submit, on_fatal=self.fail)
@@ -89,6 +90,8 @@ class Runtime:
             if self._join_handle is not None:
                 raise ValueError("join() is already in progress on this rank")
             self._join_handle = handle
+        # Gradient plans' steps are not negotiated: their threads answer the others' steps.
+        self.executor.serve_joined_plans()
         self.outbox.add([pb.TensorRequest(name="join", op_type=pb.JOIN)], flush=True)
 
     def _joined(self, last_rank: int) -> None:
