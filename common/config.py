@@ -43,6 +43,11 @@ class Config:
         gradient_plan: after its first step, DistributedOptimizer reduces gradients in fixed
             buckets negotiated once per step (see ``ringmaster.worker.gradient_plan``); off:
             every gradient is negotiated on its own, every step.
+        plan_overlap: which of the gradient plan's buckets start during the backward pass:
+            ``"all"``, ``"small"`` (only those that are one small MPI call; the others wait
+            for ``step()``), or ``"auto"``: all when each rank has a core to spare beyond
+            its torch threads, else small (on busy cores overlap costs the backward pass
+            more than it saves: docs/benchmarks.md).
     """
 
     coordinator_addr: Optional[str] = None
@@ -60,6 +65,7 @@ class Config:
     timeline: Optional[str] = None
     background_nice: int = 19
     gradient_plan: bool = True
+    plan_overlap: str = "auto"
 
 
 # environment variable -> (Config field, parser)
@@ -93,6 +99,13 @@ def _nice(value: str) -> int:
     if not 0 <= number <= 19:
         raise ValueError("must be a whole number from 0 to 19")
     return number
+
+
+def _plan_overlap(value: str) -> str:
+    value = value.strip().lower()
+    if value not in ("auto", "all", "small"):
+        raise ValueError("must be one of auto, all, small")
+    return value
 
 
 def _log_level(value: str) -> str:
@@ -141,6 +154,7 @@ ENVIRONMENT = {
     "RINGMASTER_TIMELINE": ("timeline", _timeline),
     "RINGMASTER_BACKGROUND_NICE": ("background_nice", _nice),
     "RINGMASTER_GRADIENT_PLAN": ("gradient_plan", _switch),
+    "RINGMASTER_PLAN_OVERLAP": ("plan_overlap", _plan_overlap),
 }
 
 

@@ -20,11 +20,13 @@ def assert_job_passed(result, np):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("np", [2, 4])
-def test_distributed_optimizer_equals_one_process_on_the_whole_batch(np):
+@pytest.mark.parametrize("np, overlap", [(2, "auto"), (4, "auto"), (2, "all"), (3, "small")])
+def test_distributed_optimizer_equals_one_process_on_the_whole_batch(np, overlap):
     """SGD/Adam/AdamW, backward_passes_per_step, predivide, groups, Sum, unused branches,
-    clipping between synchronize and step, LR schedulers, sparse gradients, fp16."""
-    assert_job_passed(mpirun(np, (JOBS / "optimizer_equivalence.py").read_text(), timeout=140), np)
+    clipping between synchronize and step, LR schedulers, sparse gradients, fp16; the
+    gradient plan starting every bucket during backward, or only the small ones."""
+    env = {} if overlap == "auto" else {"RINGMASTER_PLAN_OVERLAP": overlap}
+    assert_job_passed(mpirun(np, (JOBS / "optimizer_equivalence.py").read_text(), timeout=140, env=env), np)
 
 
 @pytest.mark.timeout(150)

@@ -31,6 +31,7 @@ from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker import timeline
 from ringmaster.worker.errors import RankFailedError, RingmasterError, TensorMismatchError
 from ringmaster.worker.handles import Handle
+from ringmaster.worker.gradient_plan import overlaps_all
 from ringmaster.worker.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
 
 log = logging.getLogger("ringmaster.worker")
@@ -104,12 +105,16 @@ class Executor:
         on_fatal: called with the error when this rank can no longer run collectives.
         nice: the thread's nice value (0: as the training loop; 19: only on spare cycles).
         across_hosts: the job spans several hosts (its ring segments are sized for a network).
+        plan_overlap, local_size: what gradient plans start during backward (``Config.plan_overlap``),
+            and how many ranks share this host (for "auto").
     """
 
     def __init__(self, comm, table: TensorTable, allreduce_algorithm: str,
                  on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0,
-                 across_hosts: bool = False):
+                 across_hosts: bool = False, plan_overlap: str = "all", local_size: int = 1):
         self.nice = nice
+        self._plan_overlap = plan_overlap
+        self._local_size = local_size
         # Over a network the ring moves data at the line rate only in large segments.
         self.segment_bytes = ops.NETWORK_SEGMENT_BYTES if across_hosts else ops.DEFAULT_SEGMENT_BYTES
         self.comm = comm
@@ -454,7 +459,8 @@ class Executor:
             # this is where it can get a communicator of its own (a collective call). Its
             # later steps go over that communicator without negotiation (GradientPlan.finish).
             plan.attach(group.comm.Dup(), self.algorithm, self.segment_bytes, lambda: self._stopping,
-                        self._on_fatal, lambda: _lower_this_threads_priority(self.nice))
+                        self._on_fatal, lambda: _lower_this_threads_priority(self.nice),
+                        overlap_all=overlaps_all(self._plan_overlap, self._local_size))
             self._attached_plans.append(plan)
             plan.run(plan.comm, joined=joined, algorithm=self.algorithm,
                      segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import queue
 import threading
 import time
@@ -63,6 +64,23 @@ _WAIT_SLICE_S = 0.5
 #: What the plan's thread is asked to do (its queue also carries None: end the thread).
 _RUN_STEP = "run step"
 _SERVE_JOINED = "serve joined"
+
+
+def overlaps_all(setting: str, local_size: int) -> bool:
+    """Whether a plan starts every bucket during backward (else only small ones), for ``Config.plan_overlap``.
+
+    "auto" answers yes when every rank on this host has a core beyond its torch threads:
+    a bucket's allreduce needs the CPU (copies and sums), and where the backward pass
+    already uses every core, running it then slows backward by more than it saves
+    (measured in docs/benchmarks.md); after backward the cores are free for it.
+    """
+    if setting != "auto":
+        return setting == "all"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores >= local_size * (torch.get_num_threads() + 1)
 
 
 class _Bucket:
@@ -104,6 +122,7 @@ class GradientPlan:
         self._missing = [len(bucket.indices) for bucket in self.buckets]
         #: The plan's own communicator, from its first run on (see :meth:`attach`).
         self.comm = None
+        self.overlap_all = True
         self._run_settings = None                     # (algorithm, segment_bytes, stopping)
         self._steps: "queue.Queue" = queue.Queue()  # _RUN_STEP, _SERVE_JOINED, or None: end the thread
         self._thread: Optional[threading.Thread] = None
@@ -197,14 +216,18 @@ class GradientPlan:
 
     # --------------------------------------------------- background thread
     def attach(self, comm, algorithm: str, segment_bytes: int, stopping: Callable[[], bool],
-               on_fatal: Callable[[BaseException], None], prepare_thread: Callable[[], None]) -> None:
+               on_fatal: Callable[[BaseException], None], prepare_thread: Callable[[], None],
+               overlap_all: bool = True) -> None:
         """Give the plan its own communicator and start the thread that runs it ahead.
 
         Called on the background thread at the plan's first run, where every member of the
         process set is at the same place in the collective order (``comm`` was just
         duplicated there). ``prepare_thread`` runs first on the new thread (its priority).
+        Unless ``overlap_all`` (see :func:`overlaps_all`), the thread starts only the small
+        buckets that lead the order, and ``step()`` runs the rest.
         """
         self.comm = comm
+        self.overlap_all = overlap_all
         self._run_settings = (algorithm, segment_bytes, stopping)
         self._deferred = [self._can_defer(bucket, algorithm) for bucket in self.buckets]
 
@@ -249,11 +272,14 @@ class GradientPlan:
         algorithm, segment_bytes, stopping = self._run_settings
         while True:
             with self._condition:
-                while (not self._caller_took_over and self._next_bucket < len(self.buckets)
-                       and self._missing[self._next_bucket] > 0 and not stopping()):
+                while True:
+                    if self._caller_took_over or self._next_bucket >= len(self.buckets) or stopping():
+                        return
+                    if not (self.overlap_all or self._deferred[self._next_bucket]):
+                        return  # step() runs this bucket and the ones after it
+                    if self._missing[self._next_bucket] == 0:
+                        break
                     self._condition.wait(_WAIT_SLICE_S)
-                if self._caller_took_over or self._next_bucket >= len(self.buckets) or stopping():
-                    return
                 number = self._claim_bucket()
             self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
 
