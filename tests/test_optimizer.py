@@ -33,3 +33,40 @@ def test_distributed_optimizer_equals_one_process_on_the_whole_batch(np, overlap
 @pytest.mark.parametrize("np", [2, 4])
 def test_broadcasts_objects_checkpoint_resume_and_argument_checks(np):
     assert_job_passed(mpirun(np, (JOBS / "broadcast_state.py").read_text(), timeout=140), np)
+
+
+@pytest.mark.timeout(90)
+def test_an_optimizer_used_again_after_shutdown_and_init_negotiates_a_new_plan():
+    """The fixed gradient plan ends with the runtime it ran in; a new init() makes a new one."""
+    result = mpirun(2, """
+        import copy, torch, torch.nn as nn, ringmaster as rm
+        torch.set_num_threads(1)
+        rm.init()
+        size, rank = rm.size(), rm.rank()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+        reference = copy.deepcopy(model)
+        optimizer = rm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                            named_parameters=model.named_parameters())
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        generator = torch.Generator().manual_seed(3)
+        plans = []
+        for session in range(2):
+            if session:
+                rm.init()
+            for step in range(4):
+                x = torch.randn(4 * size, 5, generator=generator)
+                optimizer.zero_grad()
+                model(x[4 * rank:4 * (rank + 1)]).square().mean().backward()
+                optimizer.step()
+                reference_optimizer.zero_grad()
+                (sum(reference(x[4 * r:4 * (r + 1)]).square().mean() for r in range(size)) / size).backward()
+                reference_optimizer.step()
+            plans.append(optimizer._plan)
+            rm.shutdown()
+        worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+        print("RESULT", rank, worst < 1e-5, plans[0] is not None and plans[1] is not None and plans[0] is not plans[1],
+              flush=True)
+    """, timeout=80)
+    assert result.returncode == 0, result.output[-3000:]
+    assert sorted(result.lines_starting("RESULT")) == ["0 True True", "1 True True"], result.output[-3000:]

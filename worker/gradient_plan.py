@@ -89,8 +89,13 @@ class _Bucket:
     def __init__(self, indices: List[int], sizes: List[int], dtype: torch.dtype, fused: bool):
         self.indices = indices
         self.sizes = sizes
+        self.dtype = dtype
         self.fused = fused
-        self.buffer = torch.empty(sum(sizes), dtype=dtype) if fused else None
+        self.buffer: Optional[torch.Tensor] = None  # a fused bucket's, from the plan's first run on
+
+    def allocate(self) -> None:
+        if self.fused and self.buffer is None:
+            self.buffer = torch.empty(sum(self.sizes), dtype=self.dtype)
 
 
 class GradientPlan:
@@ -229,6 +234,8 @@ class GradientPlan:
         self.comm = comm
         self.overlap_all = overlap_all
         self._run_settings = (algorithm, segment_bytes, stopping)
+        for bucket in self.buckets:
+            bucket.allocate()
         self._deferred = [self._can_defer(bucket, algorithm) for bucket in self.buckets]
 
         def serve():

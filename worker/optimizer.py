@@ -71,6 +71,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._plan_step_open = False              # a step of the plan has started (its first hook fired)
         self._plan_filled: set = set()            # parameters the plan reduced as zeros this step
         self._plan_decided = False
+        self._plan_runtime = None                 # the runtime the plan belongs to
         self._plan_possible = (state.config.gradient_plan and self._sparsifier is None and not self._groups
                                and compression is Compression.none)
         self._watching_first_pass = False
@@ -104,6 +105,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay[p] -= 1
         if self._delay[p] > 0:
             return
+        if self._plan is not None and not self._plan_step_open:
+            self._forget_plan_of_an_ended_runtime()
         if self._plan is not None:
             self._plan_gradient_ready(p)
             return
@@ -141,9 +144,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         votes = collectives.allreduce(torch.tensor([1 if fits else 0], dtype=torch.int32), op=collectives.Sum,
                                       name=plan.request_name + ".agree", process_set=self._process_set)
         if int(votes.item()) == self._process_set.size():
-            runtime().executor.register_plan(self._process_set.process_set_id, plan)
+            self._plan_runtime = runtime()
+            self._plan_runtime.executor.register_plan(self._process_set.process_set_id, plan)
             self._plan = plan
 
+    def _forget_plan_of_an_ended_runtime(self) -> None:
+        """After ``shutdown()`` and a new ``init()``, negotiate a step again and decide the plan anew.
+
+        The plan's communicator and thread ended with the runtime it was made in.
+        """
+        if self._plan_runtime is not runtime():
+            self._plan = None
+            self._plan_runtime = None
+            self._plan_decided = False
     def _start_plan_step(self) -> None:
         """Start this step of the plan; once the plan runs ahead, its thread starts on ready buckets."""
         self._plan_step_open = True
@@ -264,6 +277,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._hooks:
             self._synchronized = True
             return
+        if self._plan is not None and not self._plan_step_open:
+            self._forget_plan_of_an_ended_runtime()
         if self._plan is not None:
             self._synchronize_plan()
             self._synchronized = True
