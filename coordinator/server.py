@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import grpc
 
@@ -283,11 +283,12 @@ class Coordinator:
         session.gone = True
         session.close()
 
-    def _abort_job(self, kind: int, reason: str, failed_rank: int = -1, failed_host: str = "") -> None:
+    def _abort_job(self, kind: int, reason: str, failed_rank: int = -1, failed_host: str = "",
+                   stalled_ranks: Sequence[int] = ()) -> None:
         """Tell every rank the job cannot go on, then finish."""
         log.error("aborting the job: %s", reason)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=failed_rank,
-                                                     failed_host=failed_host))
+                                                     failed_host=failed_host, stalled_ranks=stalled_ranks))
         for session in self._sessions.values():
             session.outbox.put_nowait(abort)
             session.gone = True
@@ -332,12 +333,13 @@ class Coordinator:
                 self._abort_job(pb.STALLED, f"tensor '{stall.name}'{_in_set(stall)} stalled for "
                                 f"{stall.seconds:.0f} s (RINGMASTER_STALL_SHUTDOWN_S="
                                 f"{self.config.stall_shutdown_s:g}): ranks {stall.missing_ranks} never "
-                                f"submitted it", -1)
+                                f"submitted it", -1, stalled_ranks=stall.missing_ranks)
                 return
             for stall in self._plan_stalls.stalls(self.config.stall_shutdown_s, self._negotiator.set_ranks,
                                                   only_new=False):
                 self._abort_job(pb.STALLED, f"{self._describe_plan_stall(stall)} "
-                                f"(RINGMASTER_STALL_SHUTDOWN_S={self.config.stall_shutdown_s:g})", -1)
+                                f"(RINGMASTER_STALL_SHUTDOWN_S={self.config.stall_shutdown_s:g})", -1,
+                                stalled_ranks=stall.missing_ranks)
                 return
 
     def _new_plan_stalls(self) -> PlanStalls:
