@@ -15,9 +15,10 @@ gradients in place, small ones fused in a buffer of the bucket's own). At that p
 member is at the same place in the collective order, so the background thread also gives
 the plan a communicator of its own (:meth:`GradientPlan.attach`).
 
-Later steps are not negotiated at all. The first hook of a step wakes the plan's thread,
-which reduces buckets as they become ready, and ``step()`` reduces on the training thread
-whatever that thread has not started (:meth:`GradientPlan.finish`). The buckets go over the
+Later steps are not negotiated at all. Buckets start as their gradients become ready: on
+the plan's thread, or, where the backward pass keeps every core busy, only the small ones at
+the head of the order, from the hooks themselves (:func:`overlaps_all`); ``step()`` reduces
+on the training thread whatever has not started (:meth:`GradientPlan.finish`). The buckets go over the
 plan's communicator, where nothing else travels and every rank runs the same buckets in the
 same order (invariant 1 holds per communicator). A request to the coordinator per step cost
 each rank about 1 ms of CPU on cores the backward pass keeps busy (docs/benchmarks.md).
@@ -136,6 +137,7 @@ class GradientPlan:
         self._next_bucket = 0
         self._bucket_running = False
         self._caller_took_over = False
+        self._hooks_start_buckets = False
         self._error: Optional[BaseException] = None
         self._header_request = None  # this step's header (see _open_step)
         self._header_count = None
@@ -161,15 +163,22 @@ class GradientPlan:
             self._next_bucket = 0
             self._bucket_running = False
             self._caller_took_over = False
+            self._hooks_start_buckets = False  # set by run_ahead (not in the plan's first run)
 
     def run_ahead(self) -> None:
-        """Open this step with its header, and let the plan's thread reduce its buckets as they become ready.
+        """Open this step with its header, and have its buckets start as they become ready.
 
-        The thread runs at the background thread's priority, on cycles the backward pass
-        leaves; :meth:`finish` takes over whatever it has not started.
+        With ``overlap_all`` the plan's thread reduces them, at the background thread's
+        priority, on cycles the backward pass leaves; otherwise the hooks start the small
+        buckets at the head of the order themselves (:meth:`mark_ready`), which costs the
+        backward pass less than waking a thread. :meth:`finish` takes over the rest.
         """
         self._open_step()
-        self._steps.put(_RUN_STEP)
+        if self.overlap_all:
+            self._steps.put(_RUN_STEP)
+        else:
+            with self._condition:
+                self._hooks_start_buckets = True
 
     def finish(self, failed: Callable[[], Optional[BaseException]]) -> None:
         """Reduce, on the calling thread, every bucket the plan's thread has not started; return when all are done.
@@ -209,6 +218,21 @@ class GradientPlan:
             self._missing[bucket] -= 1
             if self._missing[bucket] == 0:
                 self._condition.notify_all()
+            start_here = self._missing[bucket] == 0 and self._hooks_start_buckets
+        if start_here:
+            self._start_ready_small_buckets()
+
+    def _start_ready_small_buckets(self) -> None:
+        """On the hook's thread: start the small buckets at the head of the order whose gradients are all here."""
+        algorithm, segment_bytes, stopping = self._run_settings
+        while True:
+            with self._condition:
+                number = self._next_bucket
+                if (self._caller_took_over or self._bucket_running or number >= len(self.buckets)
+                        or not self._deferred[number] or self._missing[number] > 0):
+                    return
+                self._claim_bucket()
+            self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
 
     def is_ready(self, index: int) -> bool:
         with self._condition:
