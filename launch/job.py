@@ -19,6 +19,9 @@ from .processes import die_with_parent, reap_session, signal_session
 
 #: Signals ringrun forwards to the job (and then, if it lingers, escalates to SIGKILL).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Passed on to mpirun, which passes it to every rank: each prints its threads' stacks
+#: (ringmaster.worker.stack_dumps) and the job goes on.
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 def exit_status(returncode: int, received_signal: Optional[int]) -> int:
@@ -61,6 +64,7 @@ class MpiJob:
         sink_out = sink_out if sink_out is not None else getattr(sys.stdout, "buffer", None)
         sink_err = sink_err if sink_err is not None else getattr(sys.stderr, "buffer", None)
         previous = {signum: signal.signal(signum, self._forward) for signum in FORWARDED_SIGNALS}
+        previous[STACKS_SIGNAL] = signal.signal(STACKS_SIGNAL, self._ask_for_stacks)
         try:
             try:
                 self._process = subprocess.Popen(
@@ -103,6 +107,14 @@ class MpiJob:
         self._signal_launcher(signum)
         if self.on_signal is not None:
             self.on_signal(signum)
+
+    def _ask_for_stacks(self, signum: int, frame) -> None:
+        process = self._process
+        if process is not None and process.returncode is None:
+            try:
+                os.kill(process.pid, signum)
+            except ProcessLookupError:
+                pass
 
     def _signal_launcher(self, signum: int) -> None:
         """Pass the first signal on to mpirun (which forwards it to every rank) and give it

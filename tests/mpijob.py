@@ -56,8 +56,12 @@ def job_environment(extra: Optional[Mapping[str, str]] = None) -> dict:
     return env
 
 
+#: How long a timed-out job gets to print its ranks' stacks before it is killed.
+STACKS_GRACE_S = 3.0
+
+
 def run_command(command: Sequence[str], timeout: float, env=None, cwd=None) -> JobResult:
-    """Run ``command`` in its own process group; kill the whole group on timeout."""
+    """Run ``command`` in its own process group; on timeout, ask for the ranks' stacks, then kill the group."""
     process = subprocess.Popen(
         list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env if env is not None else job_environment(), cwd=cwd, start_new_session=True,
@@ -65,8 +69,14 @@ def run_command(command: Sequence[str], timeout: float, env=None, cwd=None) -> J
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(process)
-        stdout, stderr = process.communicate()
+        # A hung job: have every rank print where its threads are (mpirun and ringrun pass
+        # SIGUSR1 on to the ranks), then take it down.
+        try:
+            os.kill(process.pid, signal.SIGUSR1)
+            stdout, stderr = process.communicate(timeout=STACKS_GRACE_S)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            _kill_group(process)
+            stdout, stderr = process.communicate()
         raise AssertionError(
             f"job did not finish within {timeout}s: {' '.join(command)}\n"
             f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"

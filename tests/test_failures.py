@@ -1,9 +1,14 @@
 """Failures end as clear errors on every rank and a non-zero exit, never as a hang."""
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
-from mpijob import mpirun, ringrun
+from mpijob import job_environment, mpirun, ringrun
 
 from ringmaster.common.config import Config
 from ringmaster.coordinator.server import Coordinator
@@ -194,3 +199,37 @@ def test_a_rank_that_leaves_early_fails_what_it_never_submitted():
     [message] = result.lines_starting("ORPHAN")
     assert "rank 1 (host" in message and "shut down without submitting tensor 'orphan'" in message
     assert "join()" in message
+
+
+@pytest.mark.timeout(90)
+def test_sigusr1_to_ringrun_makes_every_rank_print_its_stacks_and_the_job_goes_on(tmp_path):
+    script = textwrap.dedent("""
+        import os, pathlib, sys, time, ringmaster as rm
+        rm.init()
+
+        def waiting_in_a_function_of_its_own():
+            pathlib.Path(sys.argv[1], f"ready.{rm.rank()}").touch()
+            for _ in range(80):
+                time.sleep(0.1)
+
+        waiting_in_a_function_of_its_own()
+        rm.barrier()
+        print("DONE", rm.rank(), flush=True)
+    """)
+    command = [sys.executable, "-m", "ringmaster.launch", "-np", "2", sys.executable, "-c", script, str(tmp_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=job_environment(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 40
+        while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.1)
+        assert len(list(tmp_path.glob("ready.*"))) == 2, "the ranks did not start"
+        os.kill(process.pid, signal.SIGUSR1)
+        stdout, stderr = process.communicate(timeout=40)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 0, stdout + stderr
+    assert stdout.count("DONE") == 2, stdout + stderr
+    assert stderr.count("in waiting_in_a_function_of_its_own") == 2, stderr[-3000:]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import sys
 import threading
 from typing import Callable, Optional
 
@@ -16,6 +14,7 @@ from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
 from ringmaster.worker.errors import (CoordinatorUnreachableError, RankFailedError, RingmasterError,
                                      StalledTensorError)
 from ringmaster.worker.outbox import END, Outbox
+from ringmaster.worker.stack_dumps import print_stacks
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -30,14 +29,6 @@ def abort_error(abort: pb.Abort, rank: int) -> RingmasterError:
     """The exception a rank raises for the coordinator's abort message."""
     error_type = ABORT_ERRORS.get(abort.kind, RingmasterError)
     return error_type(f"ringmaster job aborted (seen on rank {rank}): {abort.reason}")
-
-
-def _print_stacks(rank: int) -> None:
-    """Print where each thread of this rank is: the others waited for it until the job was aborted."""
-    sys.stderr.write(f"ringmaster: rank {rank} is one the others waited for until the job was aborted as "
-                     f"stalled; where each of its threads was (the training loop is the main thread):\n")
-    sys.stderr.flush()
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 class CoordinatorClient:
@@ -109,7 +100,9 @@ class CoordinatorClient:
                     self._welcome.set()
                 elif kind == "abort":
                     if self.rank in message.abort.stalled_ranks:
-                        _print_stacks(self.rank)
+                        print_stacks(f"ringmaster: rank {self.rank} is one the others waited for until the job "
+                                     f"was aborted as stalled; where each of its threads was (the training "
+                                     f"loop is the main thread):")
                     self._fail(abort_error(message.abort, self.rank))
                     return
         except grpc.RpcError as error:

@@ -20,6 +20,7 @@ from ringmaster.worker.errors import NotInitializedError, RingmasterError
 from ringmaster.worker.executor import Entry, Executor, TensorTable
 from ringmaster.worker.handles import HandleTable
 from ringmaster.worker.outbox import Outbox
+from ringmaster.worker.stack_dumps import install_dump_signal
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -188,6 +189,7 @@ def init(comm=None) -> None:
                                   "(mpi4py does by default unless mpi4py.rc.thread_level was changed)")
         _runtime = Runtime(comm.Dup(), config)
         _install_exit_hooks()
+        install_dump_signal()  # kill -USR1 prints where each thread of a rank is
     if config.timeline and ("{rank}" in config.timeline or _runtime.rank == 0):
         try:
             timeline.start_timeline(config.timeline.replace("{rank}", str(_runtime.rank)))
