@@ -69,14 +69,7 @@ def run_command(command: Sequence[str], timeout: float, env=None, cwd=None) -> J
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # A hung job: have every rank print where its threads are (mpirun and ringrun pass
-        # SIGUSR1 on to the ranks), then take it down.
-        try:
-            os.kill(process.pid, signal.SIGUSR1)
-            stdout, stderr = process.communicate(timeout=STACKS_GRACE_S)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            _kill_group(process)
-            stdout, stderr = process.communicate()
+        stdout, stderr = stop_hung_job(process)
         raise AssertionError(
             f"job did not finish within {timeout}s: {' '.join(command)}\n"
             f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
@@ -86,6 +79,19 @@ def run_command(command: Sequence[str], timeout: float, env=None, cwd=None) -> J
             _kill_group(process)
     _kill_group(process)  # stray children (a coordinator, orted) of a finished job
     return JobResult(process.returncode, stdout, stderr)
+
+
+def stop_hung_job(process: subprocess.Popen):
+    """Have every rank of a hung job print where its threads are, then kill the job; its (stdout, stderr).
+
+    mpirun and ringrun pass SIGUSR1 on to the ranks (ringmaster.worker.stack_dumps).
+    """
+    try:
+        os.kill(process.pid, signal.SIGUSR1)
+        return process.communicate(timeout=STACKS_GRACE_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        _kill_group(process)
+        return process.communicate()
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -26,6 +26,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import pytest
+from mpijob import stop_hung_job
 
 from .netns_cluster import ClusterUnavailable, Host, NetnsCluster, cleanup_stale, unavailable_reason
 
@@ -67,8 +68,7 @@ def run_on(host: Host, command: Sequence[str], timeout: float, env: Optional[Map
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(process)
-        stdout, stderr = process.communicate()
+        stdout, stderr = stop_hung_job(process)  # the ranks print their stacks first
         pytest.fail(f"did not finish within {timeout} s on {host.name}: {' '.join(command)}\n"
                     f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}")
     finally:
