@@ -37,11 +37,15 @@ def test_the_horovod_script_with_fp16_allreduce():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np, first_batches, epochs", [(2, 2, 1), (3, 2, 1), (2, 1, 1), (3, 1, 2)],
-                         ids=["2-ranks", "3-ranks", "joined-before-the-plan-ran", "two-epochs"])
-def test_uneven_data_with_join_finishes_and_matches_the_reference(np, first_batches, epochs):
+@pytest.mark.parametrize("np, first_batches, epochs, overlap",
+                         [(2, 2, 1, "auto"), (3, 2, 1, "auto"), (2, 1, 1, "auto"), (3, 1, 2, "auto"),
+                          (4, 1, 2, "all")],
+                         ids=["2-ranks", "3-ranks", "joined-before-the-plan-ran", "two-epochs",
+                              "two-epochs-buckets-on-the-plan-thread"])
+def test_uneven_data_with_join_finishes_and_matches_the_reference(np, first_batches, epochs, overlap):
     result = mpirun(np, (JOBS / "uneven_join.py").read_text(), timeout=110,
-                    env={"UNEVEN_FIRST_BATCHES": str(first_batches), "UNEVEN_EPOCHS": str(epochs)})
+                    env={"UNEVEN_FIRST_BATCHES": str(first_batches), "UNEVEN_EPOCHS": str(epochs),
+                         "RINGMASTER_PLAN_OVERLAP": overlap})
     failures = [line for line in result.output.splitlines() if line.startswith("FAIL")]
     assert not failures, "\n".join(failures)
     assert result.stdout.count("DONE 0 failures") == np, result.output[-3000:]
