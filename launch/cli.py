@@ -21,7 +21,6 @@ import shlex
 import shutil
 import signal
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence
 
@@ -37,6 +36,7 @@ from .mpi_command import (LaunchSpec, MpiImplementation, build_command, detect_m
 from .network import coordinator_address, interface_ipv4
 from .output import OutputRelay
 from .slurm import SlurmAllocation, slurm_allocation
+from .workdir import make_workdir, remove_stale_workdirs
 
 PROG = "ringrun"
 
@@ -251,7 +251,8 @@ def _default_num_proc(hosts: Sequence[Host], allocation: Optional[SlurmAllocatio
 def run_job(plan: JobPlan) -> int:
     """Start the coordinator, run the MPI job, tear everything down; return the exit status."""
     secret = secrets.token_hex(32)
-    workdir = tempfile.mkdtemp(prefix="ringrun-")
+    remove_stale_workdirs()  # what ringruns killed with SIGKILL left
+    workdir = make_workdir()
     coordinator = CoordinatorProcess(
         size=plan.num_proc, bind=plan.coordinator_bind, advertise=plan.coordinator_advertise,
         env=coordinator_environment(plan.base_env, secret),

@@ -5,16 +5,20 @@ The tests that start a job need the real coordinator (``python -m ringmaster.coo
 """
 
 import os
+import pathlib
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
 import pytest
 
 from mpijob import job_environment, run_command
+
+from ringmaster.launch.workdir import make_workdir, remove_stale_workdirs
 
 RINGRUN = [sys.executable, "-m", "ringmaster.launch"]
 #: Bad input must be refused within this many seconds (the launcher imports ringmaster first).
@@ -308,11 +312,31 @@ def test_killed_ringrun_takes_the_job_with_it():
     (and stops the ranks), the coordinator goes away too."""
     process, pids, helpers = _start_sleeping_job()
     try:
+        left = list(pathlib.Path(tempfile.gettempdir()).glob(f"ringrun-{process.pid}-*"))
+        assert len(left) == 1, left  # its scratch directory, named after it
         process.kill()
         process.wait(timeout=10)
         _assert_all_gone(pids + helpers, within=10)
     finally:
         _cleanup(process, pids + helpers)
+    assert left[0].exists()  # SIGKILL: ringrun could not remove it; the next ringrun does
+    assert _ringrun(["-np", "1", *_python("pass")]).returncode == 0
+    assert not left[0].exists()
+
+
+def test_stale_workdirs_of_ringruns_that_are_gone_are_removed(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"ringrun-{gone.pid}-abc"
+    live = tmp_path / f"ringrun-{os.getpid()}-def"
+    other = tmp_path / "ringrun-notapid"
+    for path in (stale, live, other):
+        path.mkdir()
+    (stale / "coordinator.address").write_text("127.0.0.1:1")
+    assert remove_stale_workdirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()
+    made = pathlib.Path(make_workdir(str(tmp_path)))
+    assert made.name.startswith(f"ringrun-{os.getpid()}-") and made.is_dir()
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
