@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import socket
-import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+from ringmaster.common.interfaces import InterfaceError, interface_names
+from ringmaster.common.interfaces import interface_ipv4 as common_interface_ipv4
 
 from .errors import LaunchError
 from .hosts import Host, all_local, is_local_host
 
-_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+__all__ = ["CoordinatorAddress", "coordinator_address", "interface_ipv4", "interface_names"]
 
 
 @dataclass(frozen=True)
@@ -24,35 +25,16 @@ class CoordinatorAddress:
     advertise: str
 
 
-def interface_names() -> list:
-    """The names of this machine's network interfaces."""
-    try:
-        return [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return []
-
-
 def interface_ipv4(interface: str) -> str:
     """The IPv4 address of network interface ``interface`` (e.g. ``eth0``).
 
     Raises:
         LaunchError: no such interface, or it has no IPv4 address.
     """
-    names = interface_names()
-    if names and interface not in names:
-        raise LaunchError(
-            f"--network-interface {interface!r} does not exist on this host "
-            f"(interfaces: {', '.join(names)})"
-        )
-    packed = struct.pack("256s", interface.encode()[:15])
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, packed)
-        except OSError as error:
-            raise LaunchError(
-                f"--network-interface {interface!r} has no IPv4 address ({error.strerror})"
-            ) from None
-    return socket.inet_ntoa(answer[20:24])
+    try:
+        return common_interface_ipv4(interface)
+    except InterfaceError as error:
+        raise LaunchError(f"--network-interface: {error}") from None
 
 
 def _route_source(host: str) -> Optional[str]:

@@ -276,6 +276,26 @@ def test_coordinator_address_interface():
         interface_ipv4("no-such-if0")
 
 
+def test_a_coordinator_rank_0_starts_binds_to_ringmaster_network_interface_across_hosts():
+    """Under plain mpirun rank 0 starts the coordinator; RINGMASTER_NETWORK_INTERFACE picks its address."""
+    from ringmaster.common.config import Config
+    from ringmaster.worker.bootstrap import coordinator_bind_address
+
+    assert coordinator_bind_address(Config(network_interface="lo"), single_host=True) == "127.0.0.1"
+    assert coordinator_bind_address(Config(network_interface="lo"), single_host=False) == "127.0.0.1"
+    other = next((name for name in interface_names() if name != "lo"), None)
+    if other is not None:
+        try:
+            expected = interface_ipv4(other)
+        except LaunchError:
+            expected = None  # an interface without an IPv4 address
+        if expected is not None:
+            assert coordinator_bind_address(Config(network_interface=other), single_host=False) == expected
+    with pytest.raises(RuntimeError, match="RINGMASTER_NETWORK_INTERFACE: network interface 'no-such-if0' "
+                                           "does not exist on this host"):
+        coordinator_bind_address(Config(network_interface="no-such-if0"), single_host=False)
+
+
 def test_coordinator_address_remote():
     # 198.51.100.0/24 is TEST-NET-2: documentation only, never this host
     try:

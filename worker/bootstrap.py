@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ringmaster.common.config import Config
+from ringmaster.common.interfaces import InterfaceError, interface_ipv4
 from ringmaster.worker.errors import CoordinatorUnreachableError
 
 
@@ -68,13 +69,25 @@ def find_coordinator(comm, config: Config) -> CoordinatorEndpoint:
     return endpoint if endpoint is not None else CoordinatorEndpoint(outcome[1], outcome[2])
 
 
+def coordinator_bind_address(config: Config, single_host: bool) -> str:
+    """Where a coordinator rank 0 starts listens, and the address the ranks dial.
+
+    Loopback when every rank is on this host; else the address of
+    ``RINGMASTER_NETWORK_INTERFACE`` if set, else the one this host's name resolves to.
+    """
+    if single_host:
+        return "127.0.0.1"
+    if config.network_interface:
+        try:
+            return interface_ipv4(config.network_interface)
+        except InterfaceError as error:
+            raise RuntimeError(f"RINGMASTER_NETWORK_INTERFACE: {error}") from None
+    return socket.gethostbyname(socket.gethostname())
+
+
 def _start_coordinator(size: int, config: Config, single_host: bool) -> CoordinatorEndpoint:
     secret = secrets.token_hex(32)
-    if single_host:
-        bind, advertise = "127.0.0.1", "127.0.0.1"
-    else:
-        advertise = socket.gethostbyname(socket.gethostname())
-        bind = advertise
+    bind = advertise = coordinator_bind_address(config, single_host)
     environment = dict(os.environ, RINGMASTER_SECRET=secret)
     address_file = os.path.join(tempfile.mkdtemp(prefix="ringmaster-"), "coordinator-address")
     process = subprocess.Popen(
