@@ -387,6 +387,8 @@ class GradientPlan:
         Nobody on this rank waits for it: only joined ranks need the sum. It completes while
         the buckets run (their MPI calls drive its progress) and :meth:`_close_step` collects it.
         """
+        if self._header_request is not None:  # a step that raised before step() collected it
+            self._close_step()
         self._header_count = np.ones(1, dtype=np.int32)
         self._header_request = self.comm.Iallreduce(MPI.IN_PLACE, self._header_count, MPI.SUM)
 
