@@ -217,6 +217,53 @@ def test_ringrun_across_two_hosts(netns_cluster, interface):
         assert float(small) == float(low) == float(high) == 3.0
 
 
+COORDINATOR_WHERE = textwrap.dedent("""\
+    import torch, ringmaster as rm
+    from ringmaster.worker.runtime import runtime
+    rm.init()
+    total = rm.allreduce(torch.tensor([rm.rank() + 1.0]), op=rm.Sum)
+    print("RESULT", rm.rank(), runtime().endpoint.address, total.item(), flush=True)
+    rm.shutdown()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_plain_mpirun_across_hosts_puts_the_coordinator_on_ringmaster_network_interface(netns_cluster):
+    """Under plain mpirun (no ringrun, so rank 0 starts the coordinator), the coordinator
+    listens on RINGMASTER_NETWORK_INTERFACE's address; an interface that does not exist
+    fails rm.init() on every rank, naming the variable."""
+    from ringmaster.launch.environment import exported_names
+    from ringmaster.launch.hosts import Host
+    from ringmaster.launch.mpi_command import LaunchSpec, build_command, detect_mpi, find_mpirun
+
+    cluster = netns_cluster
+    first, second = cluster.hosts
+
+    def plain_mpirun(interface):
+        env = job_environment({"RINGMASTER_NETWORK_INTERFACE": interface})
+        spec = LaunchSpec(num_proc=2, hosts=[Host(first.name, 1), Host(second.name, 1)],
+                          command=[sys.executable, "-c", COORDINATOR_WHERE], export_names=exported_names(env),
+                          network_interface=cluster.interface, ssh_identity_file=cluster.key,
+                          run_as_root=os.geteuid() == 0)
+        command = build_command(detect_mpi(find_mpirun()), spec)
+        assert "RINGMASTER_COORDINATOR_ADDR" not in " ".join(command)
+        return run_on(first, command, timeout=50, env=env, cwd=str(ROOT))
+
+    result = plain_mpirun(cluster.interface)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    rows = sorted(line.split()[line.split().index("RESULT") + 1:] for line in result.stdout.splitlines()
+                  if "RESULT" in line.split())
+    assert [row[0] for row in rows] == ["0", "1"], result.stdout + result.stderr
+    assert all(row[1].startswith(f"{first.address}:") and row[2] == "3.0" for row in rows), rows
+
+    result = plain_mpirun("no-such-if0")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert output.count("RINGMASTER_NETWORK_INTERFACE: network interface 'no-such-if0' does not exist") >= 2, \
+        output[-4000:]
+
+
 # --------------------------------------------------------------- jobs across hosts
 
 MATRIX = ROOT / "tests" / "jobs" / "collectives_matrix.py"
