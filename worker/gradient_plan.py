@@ -252,8 +252,9 @@ class GradientPlan:
         Called on the background thread at the plan's first run, where every member of the
         process set is at the same place in the collective order (``comm`` was just
         duplicated there). ``prepare_thread`` runs first on the new thread (its priority).
-        Unless ``overlap_all`` (see :func:`overlaps_all`), the thread starts only the small
-        buckets that lead the order, and ``step()`` runs the rest.
+        The thread reduces buckets during backward only with ``overlap_all`` (see
+        :func:`overlaps_all`); otherwise the hooks start the small buckets that lead the order
+        (:meth:`mark_ready`) and ``step()`` runs the rest.
         """
         self.comm = comm
         self.overlap_all = overlap_all
@@ -299,15 +300,13 @@ class GradientPlan:
         return not self._thread.is_alive()
 
     def _run_ready_buckets(self) -> None:
-        """The plan's thread: reduce buckets in order as they become ready, until the caller takes over."""
+        """The plan's thread (with ``overlap_all``): reduce buckets in order as they become ready, until the caller takes over."""
         algorithm, segment_bytes, stopping = self._run_settings
         while True:
             with self._condition:
                 while True:
                     if self._caller_took_over or self._next_bucket >= len(self.buckets) or stopping():
                         return
-                    if not (self.overlap_all or self._deferred[self._next_bucket]):
-                        return  # step() runs this bucket and the ones after it
                     if self._missing[self._next_bucket] == 0:
                         break
                     self._condition.wait(_WAIT_SLICE_S)
