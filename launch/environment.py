@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional
 
 from ringmaster.common.config import MIB, Config, ConfigError, load_config
+from ringmaster.common.huge_pages import TORCH_HUGE_PAGES, request_for_torch
 
 from .errors import LaunchError
 
@@ -16,7 +17,7 @@ PREFIX = "RINGMASTER_"
 COORDINATOR_ADDR = "RINGMASTER_COORDINATOR_ADDR"
 SECRET = "RINGMASTER_SECRET"
 #: Non-ringmaster variables forwarded to every rank (when set here).
-PASSTHROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
+PASSTHROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", TORCH_HUGE_PAGES)
 
 
 def _number(value: float) -> str:
@@ -73,9 +74,11 @@ def tuning_environment(
 
 def base_environment(environ: Mapping[str, str], tuning: Mapping[str, str]) -> Dict[str, str]:
     """``environ`` with ``tuning`` applied and any coordinator address or secret of an outer
-    job removed (each ringrun job gets its own)."""
+    job removed (each ringrun job gets its own), and torch's huge pages requested unless
+    ``environ`` says otherwise (:mod:`ringmaster.common.huge_pages`)."""
     env = {k: v for k, v in environ.items() if k not in (COORDINATOR_ADDR, SECRET)}
     env.update(tuning)
+    request_for_torch(env)
     return env
 
 
@@ -108,7 +111,7 @@ def job_environment(base: Mapping[str, str], coordinator_addr: str, secret: str)
 
 def exported_names(env: Mapping[str, str]) -> List[str]:
     """Names of the variables to forward to every rank: the coordinator address and secret,
-    every other ``RINGMASTER_*`` variable, then ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``."""
+    every other ``RINGMASTER_*`` variable, then those of :data:`PASSTHROUGH` that are set."""
     first = [name for name in (COORDINATOR_ADDR, SECRET) if name in env]
     ringmaster = sorted(name for name in env if name.startswith(PREFIX) and name not in first)
     passthrough = [name for name in PASSTHROUGH if name in env]

@@ -10,6 +10,12 @@ launcher and the coordinator daemon, which share this package, never import torc
 (initializing MPI inside a child of a rank hangs).
 """
 
+from ringmaster.common.huge_pages import request_for_torch as _request_huge_pages
+
+# Before any tensor exists, if the user imported ringmaster early: torch reads its
+# huge-page switch once, at its first allocation (see ringmaster.common.huge_pages).
+_request_huge_pages()
+
 __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",

@@ -143,7 +143,8 @@ def test_tuning_environment_units():
 def test_base_environment_drops_outer_job_and_validates():
     env = base_environment({"RINGMASTER_SECRET": "old", "RINGMASTER_COORDINATOR_ADDR": "x:1",
                             "RINGMASTER_CYCLE_TIME": "3", "HOME": "/root"}, {"RINGMASTER_CYCLE_TIME": "4"})
-    assert env == {"RINGMASTER_CYCLE_TIME": "4", "HOME": "/root"}
+    assert env == {"RINGMASTER_CYCLE_TIME": "4", "HOME": "/root", "THP_MEM_ALLOC_ENABLE": "1"}
+    assert base_environment({"THP_MEM_ALLOC_ENABLE": "0"}, {}) == {"THP_MEM_ALLOC_ENABLE": "0"}
     with pytest.raises(LaunchError, match="RINGMASTER_CYCLE_TIME"):
         validated_config({"RINGMASTER_CYCLE_TIME": "soon"})
 
@@ -158,9 +159,9 @@ def test_job_and_coordinator_environment():
 
 def test_exported_names():
     env = {"RINGMASTER_SECRET": SECRET, "RINGMASTER_COORDINATOR_ADDR": "h:1", "RINGMASTER_CYCLE_TIME": "1",
-           "PATH": "/bin", "LD_LIBRARY_PATH": "/lib", "HOME": "/root"}
+           "PATH": "/bin", "LD_LIBRARY_PATH": "/lib", "HOME": "/root", "THP_MEM_ALLOC_ENABLE": "1"}
     assert exported_names(env) == ["RINGMASTER_COORDINATOR_ADDR", "RINGMASTER_SECRET",
-                                   "RINGMASTER_CYCLE_TIME", "PATH", "LD_LIBRARY_PATH"]
+                                   "RINGMASTER_CYCLE_TIME", "PATH", "LD_LIBRARY_PATH", "THP_MEM_ALLOC_ENABLE"]
 
 
 # ---------------------------------------------------------------- MPI detection
@@ -198,7 +199,7 @@ def test_openmpi5_command():
     assert _pairs(command, "--bind-to") == ["none"]
     assert _pairs(command, "--output") == ["tag"]
     assert _pairs(command, "-x") == ["RINGMASTER_COORDINATOR_ADDR", "RINGMASTER_SECRET",
-                                     "RINGMASTER_CYCLE_TIME", "PATH"]
+                                     "RINGMASTER_CYCLE_TIME", "PATH", "THP_MEM_ALLOC_ENABLE"]
     assert "--oversubscribe" not in command and "--allow-run-as-root" not in command
     assert "--mca" not in command
 
@@ -242,7 +243,8 @@ def test_mpich_command():
     command = build_command(HYDRA, _spec(network_interface="ib0", oversubscribe=True, run_as_root=True))
     assert command[:5] == ["/opt/mpich/bin/mpirun", "-n", "4", "-hosts", "a:2,b:2"]
     assert "-prepend-rank" in command and _pairs(command, "-bind-to") == ["none"]
-    assert _pairs(command, "-genvlist") == ["RINGMASTER_COORDINATOR_ADDR,RINGMASTER_SECRET,RINGMASTER_CYCLE_TIME,PATH"]
+    assert _pairs(command, "-genvlist") == ["RINGMASTER_COORDINATOR_ADDR,RINGMASTER_SECRET,RINGMASTER_CYCLE_TIME,PATH,"
+                                                  "THP_MEM_ALLOC_ENABLE"]
     assert _pairs(command, "-iface") == ["ib0"]
     assert "--allow-run-as-root" not in command
     assert _pairs(build_command(HYDRA, _spec(hostfile="/tmp/h")), "-f") == ["/tmp/h"]
@@ -369,10 +371,11 @@ def test_plan_job(monkeypatch):
     plan = cli.plan_job(args, {"PATH": "/bin", "RINGMASTER_SECRET": "outer", "RINGMASTER_ALLREDUCE": "mpi"})
     assert plan.num_proc == 2 and plan.coordinator_bind == "127.0.0.1"
     assert plan.base_env == {"PATH": "/bin", "RINGMASTER_ALLREDUCE": "mpi",
-                             "RINGMASTER_FUSION_THRESHOLD": str(MIB), "RINGMASTER_LOG_LEVEL": "INFO"}
+                             "RINGMASTER_FUSION_THRESHOLD": str(MIB), "RINGMASTER_LOG_LEVEL": "INFO",
+                             "THP_MEM_ALLOC_ENABLE": "1"}
     assert list(plan.spec.export_names) == ["RINGMASTER_COORDINATOR_ADDR", "RINGMASTER_SECRET",
                                             "RINGMASTER_ALLREDUCE", "RINGMASTER_FUSION_THRESHOLD",
-                                            "RINGMASTER_LOG_LEVEL", "PATH"]
+                                            "RINGMASTER_LOG_LEVEL", "PATH", "THP_MEM_ALLOC_ENABLE"]
     assert plan.spec.hosts == [Host("localhost", os.cpu_count())]
 
 
