@@ -1,10 +1,10 @@
 """Ask torch to back its large CPU tensors with transparent huge pages (2 MiB).
 
 Ranks on one host move gradients through Open MPI's shared memory transport, which
-copies straight out of the sender's memory (CMA, ``process_vm_readv``): the kernel pins
-the sender's pages one at a time, so a 12.6 MB gradient in 4 KiB pages costs about 3,000
-page pins per transfer, and the ring allreduce runs ~1.4 × slower on torch's gradients
-than on huge-page buffers of the same size (docs/benchmarks.md). NumPy already asks for
+copies straight out of the sender's memory (CMA, ``process_vm_readv``): the kernel looks
+up and pins every page of the sender's buffer, about 3,000 for a 12.6 MB gradient in
+4 KiB pages and 7 in huge pages. The ring allreduce ran ~1.4 × slower on torch's
+gradients than on NumPy's huge-page buffers of the same size (docs/benchmarks.md). NumPy already asks for
 huge pages for its large arrays; torch does it only when ``THP_MEM_ALLOC_ENABLE=1`` is in
 its environment, which it reads once, at its first tensor allocation.
 
