@@ -46,9 +46,14 @@ class JobResult:
         return [line[len(prefix):].strip() for line in lines if line.startswith(prefix)]
 
 
+#: The job scripts' folder, on every job's PYTHONPATH: they share ``job_report``.
+JOBS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
+
+
 def job_environment(extra: Optional[Mapping[str, str]] = None) -> dict:
     """The environment for a test job: ours, minus any coordinator of an outer job."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGMASTER_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [JOBS_DIR, env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     if extra:

@@ -10,20 +10,16 @@ import torch
 from torch import nn
 
 import ringmaster as rm
+from job_report import Tally
 from ringmaster.worker import functions
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()
 torch.set_num_threads(1)
-cases = failures = 0
+TALLY = Tally(RANK)
 
 
-def report(case, ok, detail=""):
-    global cases, failures
-    cases += 1
-    if not ok:
-        failures += 1
-        print(f"FAIL {case} (rank {RANK}) {detail}", flush=True)
+report = TALLY.report
 
 
 def same_state(a, b):
@@ -228,5 +224,5 @@ if SIZE == 4:
     refuses("DistributedOptimizer with a removed process set", lambda: rm.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), process_set=evens), ValueError, ["add_process_set"])
 
-print(f"DONE {cases} cases, {failures} failures", flush=True)
+TALLY.done()
 rm.shutdown()

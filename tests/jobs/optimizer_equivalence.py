@@ -14,20 +14,16 @@ import torch
 from torch import nn
 
 import ringmaster as rm
+from job_report import Tally
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()
 torch.set_num_threads(1)
 BATCH, STEPS = 4, 4
-cases = failures = 0
+TALLY = Tally(RANK)
 
 
-def report(case, ok, detail=""):
-    global cases, failures
-    cases += 1
-    if not ok:
-        failures += 1
-        print(f"FAIL {case} (rank {RANK}) {detail}", flush=True)
+report = TALLY.report
 
 
 def close(case, model, reference, tolerance=1e-5):
@@ -341,5 +337,5 @@ refused("rgc(momentum) with an optimizer that has momentum", "set momentum=0 in 
 refused("rgc with groups", "leave groups=None", compression=rm.Compression.rgc(), groups=2)
 refused("rgc with op=Sum", "use op=Average", compression=rm.Compression.rgc(), op=rm.Sum)
 train_with_closure()
-print(f"DONE {cases} cases, {failures} failures", flush=True)
+TALLY.done()
 rm.shutdown()

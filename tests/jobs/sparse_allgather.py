@@ -10,21 +10,17 @@ RGC makes. Prints ``FAIL`` lines, then ``DONE <cases> cases, <failures> failures
 import torch
 
 import ringmaster as rm
+from job_report import Tally
 from ringmaster.worker import rgc
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()
 torch.set_num_threads(1)
 N = 1000
-cases = failures = 0
+TALLY = Tally(RANK)
 
 
-def report(case, ok, detail=""):
-    global cases, failures
-    cases += 1
-    if not ok:
-        failures += 1
-        print(f"FAIL {case} (rank {RANK}) {detail}", flush=True)
+report = TALLY.report
 
 
 def values_of(rank, indices, dtype):
@@ -74,5 +70,5 @@ for quantize in (False, True):
         report(f"rgc quantize={quantize} step {step}: combined", torch.allclose(result.double(), expected, atol=1e-6),
                f"max difference {(result.double() - expected).abs().max():.3g}")
 
-print(f"DONE {cases} cases, {failures} failures", flush=True)
+TALLY.done()
 rm.shutdown()

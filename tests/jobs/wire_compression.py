@@ -7,22 +7,18 @@ result. Prints one ``FAIL`` line per failed check, then ``DONE <cases> cases, <f
 import torch
 
 import ringmaster as rm
+from job_report import Tally
 from ringmaster.ops.quantized_ring import encoded_bytes_sent
 from ringmaster.worker.quantization import RingCodec
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()
 torch.set_num_threads(1)
-cases = failures = 0
+TALLY = Tally(RANK)
 FORMATS = {"int8": (rm.Compression.int8, "dynamic tree"), "linear8": (rm.Compression.linear8, "linear8")}
 
 
-def report(case, ok, detail=""):
-    global cases, failures
-    cases += 1
-    if not ok:
-        failures += 1
-        print(f"FAIL {case} (rank {RANK}) {detail}", flush=True)
+report = TALLY.report
 
 
 def inputs(shape, seed, dtype=torch.float32):
@@ -119,5 +115,5 @@ except rm.TensorMismatchError as error:
     report("ranks disagreeing on compression fail", "compression differs" in str(error) and "int8" in str(error),
            str(error))
 
-print(f"DONE {cases} cases, {failures} failures", flush=True)
+TALLY.done()
 rm.shutdown()
