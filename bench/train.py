@@ -249,7 +249,9 @@ def main():
     if rm.rank() == 0:
         images = args.batch_size * rm.size()
         print(f"\ntraining step, {rm.size()} ranks, batch {args.batch_size} per rank, {args.threads} torch "
-              f"thread(s) per rank; median of {args.rounds} x {args.steps} steps, slowest rank")
+              f"thread(s) per rank; median of {args.rounds} x {args.steps} steps, slowest rank; torch's "
+              f"huge pages {'on' if os.environ.get('THP_MEM_ALLOC_ENABLE') == '1' else 'off'} "
+              f"(THP_MEM_ALLOC_ENABLE)")
         print(f"{'model':<6} {'params':>7} {'mode':<11} {'step ms':>9} {'images/s':>9} {'vs no-comm':>10}")
         baseline = {name: seconds for name, _, mode, seconds in rows if mode == "no-comm"}
         for name, parameters, mode, seconds in rows:
