@@ -4,9 +4,10 @@ Ranks on one host move gradients through Open MPI's shared memory transport, whi
 copies straight out of the sender's memory (CMA, ``process_vm_readv``): the kernel looks
 up and pins every page of the sender's buffer, about 3,000 for a 12.6 MB gradient in
 4 KiB pages and 7 in huge pages. The ring allreduce ran ~1.4 × slower on torch's
-gradients than on NumPy's huge-page buffers of the same size (docs/benchmarks.md). NumPy already asks for
-huge pages for its large arrays; torch does it only when ``THP_MEM_ALLOC_ENABLE=1`` is in
-its environment, which it reads once, at its first tensor allocation.
+gradients than on NumPy's huge-page buffers of the same size (docs/benchmarks.md).
+NumPy asks for huge pages for its large arrays by itself; torch does only when
+``THP_MEM_ALLOC_ENABLE=1`` is in its environment, which it reads once, at its first
+tensor allocation.
 
 So ringmaster sets that variable to ``1`` unless the user set it already:
 ``ringrun`` for every rank it starts, and ``import ringmaster`` for the importing process
