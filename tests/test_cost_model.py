@@ -302,12 +302,12 @@ def test_calibration_on_a_real_job(np):
     assert lines["CROSSOVER"][0] == str(crossover)
     if crossover is not None:
         assert all((choice == "sparse") == (n >= crossover) for n, choice in decisions.items()), decisions
-    # At 4 oversubscribed ranks and 1e9 elements the bandwidth saving wins: dense moves
-    # 6 B per element at 0.1-0.2 GB/s (25-60 ns), several times what selecting costs (4-12
-    # ns). At 2 ranks the two per-element costs are close (dense 4 B at 1-2 GB/s against
-    # 3-4 ns of selection) and the answer changes from run to run, so it is not asserted.
-    if np == 4:
-        assert decisions[10 ** 9] == "sparse", (decisions, m.describe())
+    # Which side wins for large tensors is the machine's answer, not ringmaster's: per
+    # element the dense allreduce moves 2(p-1)/p * 4 B, the sparse path pays its selection.
+    # On this project's 2-core VM the two are close at both sizes and the answer changes
+    # from run to run, so it is not asserted: at 2 ranks dense 4 B at 1-2 GB/s against 3-4 ns
+    # of selection; at 4 oversubscribed ranks, with torch's huge pages (common/huge_pages.py),
+    # beta 0.75-1.03 ns/B, so dense 4.6-6.3 ns per element against 4.2-5.2 ns of selection.
     # No assertion that 1e3 elements go dense: in RedSync's model one allgather round
     # (log2(p)*alpha, ~1 ms here) against the allreduce's two makes sparse the cheaper
     # choice for small tensors too (see worker/cost_model.py); crossover is 1 on this machine.
