@@ -50,7 +50,7 @@ import torch
 from mpi4py import MPI
 
 from ringmaster import ops
-from ringmaster.ops.waiting import wait
+from ringmaster.ops.waiting import eagerly, wait
 from ringmaster.worker import timeline
 from ringmaster.worker.errors import RingmasterError
 from ringmaster.worker.tensors import flat_array
@@ -191,20 +191,22 @@ class GradientPlan:
         algorithm, segment_bytes, stopping = self._run_settings
         with self._condition:
             self._caller_took_over = True
-        while True:
-            with self._condition:
-                while self._bucket_running and self._error is None:
-                    error = failed()
-                    if error is not None:
-                        raise error
-                    self._condition.wait(_WAIT_SLICE_S)
-                if self._error is not None:
-                    raise self._error
-                if self._next_bucket >= len(self.buckets):
-                    break
-                number = self._claim_bucket()
-            self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
-        self._close_step()
+        # The caller has nothing else to do until the step's gradients are reduced.
+        with eagerly():
+            while True:
+                with self._condition:
+                    while self._bucket_running and self._error is None:
+                        error = failed()
+                        if error is not None:
+                            raise error
+                        self._condition.wait(_WAIT_SLICE_S)
+                    if self._error is not None:
+                        raise self._error
+                    if self._next_bucket >= len(self.buckets):
+                        break
+                    number = self._claim_bucket()
+                self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
+            self._close_step()
 
     def mark_ready(self, index: int, gradient: torch.Tensor) -> None:
         """Hand over the gradient of parameter ``index`` for this step."""
