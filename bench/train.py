@@ -9,6 +9,9 @@ rank trains on its own random batch with one torch thread, in three modes that t
 round by round in the same processes, so that load on a shared machine hits all of them:
 
 - ``no-comm``: every rank trains on its own, with no communication at all (the ceiling);
+- ``sync-only``: the same, plus one barrier per step after backward and nothing else: what
+  keeping the ranks in step costs alone (each step waits for the slowest rank's backward),
+  the ceiling of any synchronous data-parallel training on the machine;
 - ``ringmaster``: ``rm.DistributedOptimizer`` (gradients allreduced from hooks during backward);
 - ``ddp-gloo``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group;
 - ``naive-mpi``: after backward, one blocking mpi4py ``Allreduce`` per gradient (no overlap,
@@ -44,7 +47,7 @@ import ringmaster as rm
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 import benchmark_models  # examples/benchmark_models.py
 
-MODES = ("no-comm", "ringmaster", "ddp-gloo", "naive-mpi")
+MODES = ("no-comm", "sync-only", "ringmaster", "ddp-gloo", "naive-mpi")
 
 
 def progress(text):
@@ -75,6 +78,20 @@ class Trainer:
     def step(self):
         self.optimizer.zero_grad()
         F.cross_entropy(self.model(self.images), self.labels).backward()
+        self.optimizer.step()
+
+
+class SyncOnlyTrainer(Trainer):
+    """No communication but a barrier after backward: the ranks wait for each other every step."""
+
+    def __init__(self, model, optimizer, batch, comm):
+        super().__init__(model, optimizer, batch)
+        self.comm = comm
+
+    def step(self):
+        self.optimizer.zero_grad()
+        F.cross_entropy(self.model(self.images), self.labels).backward()
+        self.comm.Barrier()
         self.optimizer.step()
 
 
@@ -112,6 +129,8 @@ def make_trainers(model_name, batch_size, comm):
             model = DistributedDataParallel(model)  # broadcasts rank 0's weights itself
         if mode == "naive-mpi":
             trainers[mode] = NaiveMpiTrainer(model, optimizer, batch, comm)
+        elif mode == "sync-only":
+            trainers[mode] = SyncOnlyTrainer(model, optimizer, batch, comm)
         else:
             trainers[mode] = Trainer(model, optimizer, batch)
     return trainers

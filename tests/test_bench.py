@@ -34,7 +34,7 @@ def test_training_benchmark_prints_its_table_and_a_trace():
                          timeout=80, env=job_environment())
     assert result.returncode == 0, result.output[-3000:]
     for model in ("mlp", "cnn"):
-        for mode in ("no-comm", "ringmaster", "ddp-gloo"):
+        for mode in ("no-comm", "sync-only", "ringmaster", "ddp-gloo", "naive-mpi"):
             assert re.search(rf"^(\[0\]: )?{model} .* {mode} ", result.stdout, re.MULTILINE), result.stdout
     # One traced step per model and rank, read from ringmaster's timeline.
     assert result.stdout.count("first allreduce") == 4, result.stdout
