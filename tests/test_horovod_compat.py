@@ -36,16 +36,24 @@ def test_the_horovod_script_with_fp16_allreduce():
     assert len(accuracies) == 3 and accuracies[-1] > 85.0, result.stdout
 
 
+# Three wide hidden layers: the plan's buckets are [head fused, 1.4 MB, bias, 1.4 MB, first layer];
+# with only small buckets started from the hooks, step() reduces the rest last produced first.
+WIDE = {"UNEVEN_HIDDEN": "600", "UNEVEN_HIDDEN_LAYERS": "3"}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np, first_batches, epochs, overlap",
-                         [(2, 2, 1, "auto"), (3, 2, 1, "auto"), (2, 1, 1, "auto"), (3, 1, 2, "auto"),
-                          (4, 1, 2, "all")],
+@pytest.mark.parametrize("np, first_batches, epochs, overlap, model",
+                         [(2, 2, 1, "auto", {}), (3, 2, 1, "auto", {}), (2, 1, 1, "auto", {}), (3, 1, 2, "auto", {}),
+                          (4, 1, 2, "all", {}),
+                          (4, 2, 1, "small", {**WIDE, "UNEVEN_EXPECT_ORDER": "0,4,3,2,1"}),
+                          (2, 2, 1, "all", {**WIDE, "UNEVEN_EXPECT_ORDER": "0,1,2,3,4"})],
                          ids=["2-ranks", "3-ranks", "joined-before-the-plan-ran", "two-epochs",
-                              "two-epochs-buckets-on-the-plan-thread"])
-def test_uneven_data_with_join_finishes_and_matches_the_reference(np, first_batches, epochs, overlap):
+                              "two-epochs-buckets-on-the-plan-thread", "wide-layers-reduced-last-produced-first",
+                              "wide-layers-on-the-plan-thread-in-order"])
+def test_uneven_data_with_join_finishes_and_matches_the_reference(np, first_batches, epochs, overlap, model):
     result = mpirun(np, (JOBS / "uneven_join.py").read_text(), timeout=110,
                     env={"UNEVEN_FIRST_BATCHES": str(first_batches), "UNEVEN_EPOCHS": str(epochs),
-                         "RINGMASTER_PLAN_OVERLAP": overlap})
+                         "RINGMASTER_PLAN_OVERLAP": overlap, **model})
     failures = [line for line in result.output.splitlines() if line.startswith("FAIL")]
     assert not failures, "\n".join(failures)
     assert result.stdout.count("DONE 0 failures") == np, result.output[-3000:]

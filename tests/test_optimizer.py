@@ -70,3 +70,18 @@ def test_an_optimizer_used_again_after_shutdown_and_init_negotiates_a_new_plan()
     """, timeout=80)
     assert result.returncode == 0, result.output[-3000:]
     assert sorted(result.lines_starting("RESULT")) == ["0 True True", "1 True True"], result.output[-3000:]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("deferred, overlap_all, expected", [
+    ([True, False, True, False, True], False, [0, 4, 3, 2, 1]),  # small head from the hooks, the rest last first
+    ([True, True, False, False], False, [0, 1, 3, 2]),
+    ([False, True, False], False, [2, 1, 0]),                    # a big gradient leads: all after backward
+    ([True, True], False, [0, 1]),                               # every bucket started from the hooks
+    ([True, False, True, False, True], True, [0, 1, 2, 3, 4]),   # the plan's thread: as backward produces them
+    ([], False, []),
+])
+def test_reduction_order_of_the_gradient_plan(deferred, overlap_all, expected):
+    from ringmaster.worker.gradient_plan import reduction_order
+
+    assert reduction_order(deferred, overlap_all) == expected

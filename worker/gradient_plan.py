@@ -18,9 +18,10 @@ the plan a communicator of its own (:meth:`GradientPlan.attach`).
 Later steps are not negotiated at all. Buckets start as their gradients become ready: on
 the plan's thread, or, where the backward pass keeps every core busy, only the small ones at
 the head of the order, from the hooks themselves (:func:`overlaps_all`); ``step()`` reduces
-on the training thread whatever has not started (:meth:`GradientPlan.finish`). The buckets go over the
-plan's communicator, where nothing else travels and every rank runs the same buckets in the
-same order (invariant 1 holds per communicator). A request to the coordinator per step cost
+on the training thread whatever has not started (:meth:`GradientPlan.finish`), in the
+order :func:`reduction_order` fixes. The buckets go over the plan's communicator, where
+nothing else travels and every rank runs the same buckets in the same order (invariant 1
+holds per communicator). A request to the coordinator per step cost
 each rank about 1 ms of CPU on cores the backward pass keeps busy (docs/benchmarks.md).
 What the negotiation did is done otherwise:
 
@@ -84,6 +85,25 @@ def overlaps_all(setting: str, local_size: int) -> bool:
     return cores >= local_size * (torch.get_num_threads() + 1)
 
 
+def reduction_order(deferred: Sequence[bool], overlap_all: bool) -> List[int]:
+    """The order in which every member reduces a plan's buckets, step after step (after its first run).
+
+    With ``overlap_all`` buckets run as backward produces them: in bucket order. Otherwise
+    the hooks start the small buckets that lead that order (those ``deferred``: started
+    now, collected at the end of the step) during backward, and ``step()`` reduces the rest
+    once backward has ended, last produced first: those are still in the cache, where the
+    big gradients produced early in backward are not. On the CNN of ``bench/train.py`` this
+    took a median 0.8 ms off a 110 ms step (docs/benchmarks.md).
+    """
+    order = list(range(len(deferred)))
+    if overlap_all:
+        return order
+    leading = 0
+    while leading < len(deferred) and deferred[leading]:
+        leading += 1
+    return order[:leading] + order[leading:][::-1]
+
+
 class _Bucket:
     """Gradients reduced by one allreduce: one big gradient, or several small ones fused."""
 
@@ -133,8 +153,10 @@ class GradientPlan:
         self._steps: "queue.Queue" = queue.Queue()  # _RUN_STEP, _SERVE_JOINED, or None: end the thread
         self._thread: Optional[threading.Thread] = None
         # Which thread reduces which bucket (see run_ahead/finish): buckets run one at a time,
-        # in order, whoever runs them, so every rank sends the same messages in the same order.
-        self._next_bucket = 0
+        # in the order of ``_order``, whoever runs them, so every rank sends the same messages
+        # in the same order. ``_position`` is the next bucket's place in ``_order``.
+        self._order = list(range(len(self.buckets)))  # see attach and reduction_order
+        self._position = 0
         self._bucket_running = False
         self._caller_took_over = False
         self._hooks_start_buckets = False
@@ -160,7 +182,7 @@ class GradientPlan:
             self._gradients = [None] * len(self.parameters)
             self._ready = [False] * len(self.parameters)
             self._missing = [len(bucket.indices) for bucket in self.buckets]
-            self._next_bucket = 0
+            self._position = 0
             self._bucket_running = False
             self._caller_took_over = False
             self._hooks_start_buckets = False  # set by run_ahead (not in the plan's first run)
@@ -202,7 +224,7 @@ class GradientPlan:
                         self._condition.wait(_WAIT_SLICE_S)
                     if self._error is not None:
                         raise self._error
-                    if self._next_bucket >= len(self.buckets):
+                    if self._position >= len(self._order):
                         break
                     number = self._claim_bucket()
                 self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
@@ -229,9 +251,10 @@ class GradientPlan:
         algorithm, segment_bytes, stopping = self._run_settings
         while True:
             with self._condition:
-                number = self._next_bucket
-                if (self._caller_took_over or self._bucket_running or number >= len(self.buckets)
-                        or not self._deferred[number] or self._missing[number] > 0):
+                if self._caller_took_over or self._bucket_running or self._position >= len(self._order):
+                    return
+                number = self._order[self._position]
+                if not self._deferred[number] or self._missing[number] > 0:
                     return
                 self._claim_bucket()
             self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
@@ -264,6 +287,7 @@ class GradientPlan:
         for bucket in self.buckets:
             bucket.allocate()
         self._deferred = [self._can_defer(bucket, algorithm) for bucket in self.buckets]
+        self._order = reduction_order(self._deferred, overlap_all)
 
         def serve():
             prepare_thread()
@@ -307,9 +331,9 @@ class GradientPlan:
         while True:
             with self._condition:
                 while True:
-                    if self._caller_took_over or self._next_bucket >= len(self.buckets) or stopping():
+                    if self._caller_took_over or self._position >= len(self._order) or stopping():
                         return
-                    if self._missing[self._next_bucket] == 0:
+                    if self._missing[self._order[self._position]] == 0:
                         break
                     self._condition.wait(_WAIT_SLICE_S)
                 number = self._claim_bucket()
@@ -317,8 +341,8 @@ class GradientPlan:
 
     def _claim_bucket(self) -> int:
         """Take the next bucket (with the condition held and no bucket running)."""
-        number = self._next_bucket
-        self._next_bucket += 1
+        number = self._order[self._position]
+        self._position += 1
         self._bucket_running = True
         return number
 
@@ -363,7 +387,7 @@ class GradientPlan:
         algorithm, segment_bytes, _ = self._run_settings
         try:
             while self._header(live=False) > 0:
-                for number in range(len(self.buckets)):
+                for number in self._order:
                     with self._communicating():
                         self._reduce_bucket(number, self.comm, None, algorithm, segment_bytes)
         finally:

@@ -26,6 +26,9 @@ failures = 0
 
 FIRST = int(os.environ.get("UNEVEN_FIRST_BATCHES", "2"))
 EPOCHS = int(os.environ.get("UNEVEN_EPOCHS", "1"))
+# Wide hidden layers (600: 1.4 MB weights) give the plan big buckets between small ones.
+HIDDEN = int(os.environ.get("UNEVEN_HIDDEN", "8"))
+HIDDEN_LAYERS = int(os.environ.get("UNEVEN_HIDDEN_LAYERS", "1"))
 
 
 def batches_of(rank, epoch):
@@ -35,7 +38,10 @@ def batches_of(rank, epoch):
 
 
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+layers = [nn.Linear(4, HIDDEN), nn.Tanh()]
+for _ in range(HIDDEN_LAYERS - 1):
+    layers += [nn.Linear(HIDDEN, HIDDEN), nn.Tanh()]
+model = nn.Sequential(*layers, nn.Linear(HIDDEN, 1))
 reference = copy.deepcopy(model)
 optimizer = rm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                     named_parameters=model.named_parameters())
@@ -52,6 +58,12 @@ for epoch in range(EPOCHS):
     if optimizer._plan is None:
         failures += 1
         print(f"FAIL rank {RANK}: the fixed gradient plan was not used", flush=True)
+    elif os.environ.get("UNEVEN_EXPECT_ORDER"):  # the order every member reduced the buckets in
+        order = ",".join(map(str, optimizer._plan._order))
+        if order != os.environ["UNEVEN_EXPECT_ORDER"]:
+            failures += 1
+            print(f"FAIL rank {RANK}: the plan reduced its buckets in the order {order}, "
+                  f"expected {os.environ['UNEVEN_EXPECT_ORDER']}", flush=True)
     lasts.append(rm.join())
 
     # Plain torch: at step s the ranks that still have a batch contribute; joined ranks add zeros.
