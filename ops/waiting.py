@@ -11,8 +11,8 @@ latency once the peer shows up.
 A thread that has nothing else to do while it waits (the training loop in ``step()``,
 reducing the gradients that are left after backward) waits :func:`eagerly`: its pauses stay
 short, so that it answers a late peer at once. On a machine with one core per rank the
-early rank's core is idle then; a long pause there was measured to delay the late rank's
-first allreduce by 0.2-0.3 ms per step (docs/benchmarks.md).
+early rank's core is idle then; long pauses there were measured to delay the end of the
+first allreduce after backward by 0.1-0.3 ms per step (docs/benchmarks.md).
 """
 
 from __future__ import annotations
