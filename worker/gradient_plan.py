@@ -92,8 +92,9 @@ def reduction_order(deferred: Sequence[bool], overlap_all: bool) -> List[int]:
     the hooks start the small buckets that lead that order (those ``deferred``: started
     now, collected at the end of the step) during backward, and ``step()`` reduces the rest
     once backward has ended, last produced first: those are still in the cache, where the
-    big gradients produced early in backward are not. On the CNN of ``bench/train.py`` this
-    took a median 0.8 ms off a 110 ms step (docs/benchmarks.md).
+    big gradients produced early in backward are not. In a probe of the CNN of
+    ``bench/train.py`` (7 alternating runs) this took a median 0.8 ms off a 110-130 ms step
+    (docs/benchmarks.md).
     """
     order = list(range(len(deferred)))
     if overlap_all:
