@@ -64,9 +64,30 @@ def job_environment(extra: Optional[Mapping[str, str]] = None) -> dict:
 #: How long a timed-out job gets to print its ranks' stacks before it is killed.
 STACKS_GRACE_S = 3.0
 
+#: What Open MPI's launcher prints when it could not start its PMIx server, before any rank
+#: ran (seen once in a fresh-clone CI run on the busy 2-core machine). Nothing of ringmaster
+#: ran in such a job, so it is started again, at most LAUNCH_RETRIES times.
+LAUNCH_FAILURE = "listener thread failed to start"
+LAUNCH_RETRIES = 2
+
 
 def run_command(command: Sequence[str], timeout: float, env=None, cwd=None) -> JobResult:
-    """Run ``command`` in its own process group; on timeout, ask for the ranks' stacks, then kill the group."""
+    """Run ``command`` in its own process group; on timeout, ask for the ranks' stacks, then kill the group.
+
+    A job whose launcher failed to start (:data:`LAUNCH_FAILURE`) is started again.
+    """
+    for _ in range(LAUNCH_RETRIES):
+        result = _run_once(command, timeout, env, cwd)
+        if not _launcher_failed(result):
+            return result
+    return _run_once(command, timeout, env, cwd)
+
+
+def _launcher_failed(result: JobResult) -> bool:
+    return result.returncode != 0 and not result.stdout and LAUNCH_FAILURE in result.stderr
+
+
+def _run_once(command: Sequence[str], timeout: float, env, cwd) -> JobResult:
     process = subprocess.Popen(
         list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env if env is not None else job_environment(), cwd=cwd, start_new_session=True,

@@ -1,0 +1,38 @@
+"""tests/mpijob.py itself: a job whose launcher failed to start is started again, nothing else is."""
+
+from __future__ import annotations
+
+import pytest
+from mpijob import LAUNCH_FAILURE, LAUNCH_RETRIES, run_command
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def counting_job(tmp_path, failing_runs: int, message: str):
+    """A shell command that fails with ``message`` on its first ``failing_runs`` runs, then prints OK."""
+    runs = tmp_path / "runs"
+    script = (f'echo x >> "{runs}"; '
+              f'if [ "$(wc -l < "{runs}")" -le {failing_runs} ]; then echo "{message}" >&2; exit 213; fi; '
+              'echo OK')
+    return ["sh", "-c", script], runs
+
+
+def test_a_job_whose_launcher_failed_to_start_runs_again(tmp_path):
+    command, runs = counting_job(tmp_path, 1, f"The PMIx server's {LAUNCH_FAILURE}. We cannot continue.")
+    result = run_command(command, timeout=10)
+    assert result.returncode == 0 and result.stdout.strip() == "OK", result
+    assert len(runs.read_text().splitlines()) == 2
+
+
+def test_it_is_started_a_bounded_number_of_times(tmp_path):
+    command, runs = counting_job(tmp_path, 100, f"The PMIx server's {LAUNCH_FAILURE}. We cannot continue.")
+    result = run_command(command, timeout=10)
+    assert result.returncode == 213 and LAUNCH_FAILURE in result.stderr
+    assert len(runs.read_text().splitlines()) == LAUNCH_RETRIES + 1
+
+
+def test_a_job_that_failed_otherwise_is_not_run_again(tmp_path):
+    command, runs = counting_job(tmp_path, 1, "rank 1: ValueError")
+    result = run_command(command, timeout=10)
+    assert result.returncode == 213 and "ValueError" in result.stderr
+    assert len(runs.read_text().splitlines()) == 1
