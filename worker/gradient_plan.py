@@ -94,7 +94,9 @@ def reduction_order(deferred: Sequence[bool], overlap_all: bool) -> List[int]:
     once backward has ended, last produced first: those are still in the cache, where the
     big gradients produced early in backward are not. In a probe of the CNN of
     ``bench/train.py`` (7 alternating runs) this took a median 0.8 ms off a 110-130 ms step
-    (docs/benchmarks.md).
+    (docs/benchmarks.md). The hooks start whichever small bucket is next in this order once
+    its gradients are all here, so a small bucket that comes last in backward, now first
+    after the leading ones, starts from the last hook.
     """
     order = list(range(len(deferred)))
     if overlap_all:
