@@ -69,16 +69,31 @@ def init_gloo():
 
 
 class Trainer:
-    """A model, its optimizer and one batch: what one mode trains."""
+    """A model, its optimizer and one batch: what one mode trains.
+
+    A step runs in four phases, which ``bench/step_phases.py`` times apart: :meth:`forward`
+    (with zero_grad), the backward pass, :meth:`communicate` (what the mode does between
+    backward and the optimizer's step) and :meth:`update` (the optimizer's step).
+    """
 
     def __init__(self, model, optimizer, batch):
         self.model, self.optimizer = model, optimizer
         self.images, self.labels = batch
 
-    def step(self):
+    def forward(self):
         self.optimizer.zero_grad()
-        F.cross_entropy(self.model(self.images), self.labels).backward()
+        return F.cross_entropy(self.model(self.images), self.labels)
+
+    def communicate(self):
+        """Nothing: no communication (DDP's happens inside backward)."""
+
+    def update(self):
         self.optimizer.step()
+
+    def step(self):
+        self.forward().backward()
+        self.communicate()
+        self.update()
 
 
 class SyncOnlyTrainer(Trainer):
@@ -88,11 +103,8 @@ class SyncOnlyTrainer(Trainer):
         super().__init__(model, optimizer, batch)
         self.comm = comm
 
-    def step(self):
-        self.optimizer.zero_grad()
-        F.cross_entropy(self.model(self.images), self.labels).backward()
+    def communicate(self):
         self.comm.Barrier()
-        self.optimizer.step()
 
 
 class NaiveMpiTrainer(Trainer):
@@ -103,31 +115,45 @@ class NaiveMpiTrainer(Trainer):
         self.comm = comm
         self.parameters = [p for p in model.parameters() if p.requires_grad]
 
-    def step(self):
+    def communicate(self):
         from mpi4py import MPI
 
-        self.optimizer.zero_grad()
-        F.cross_entropy(self.model(self.images), self.labels).backward()
         for parameter in reversed(self.parameters):  # the order backward produced them in
             self.comm.Allreduce(MPI.IN_PLACE, parameter.grad.numpy())
             parameter.grad.div_(self.comm.Get_size())
-        self.optimizer.step()
 
 
-def make_trainers(model_name, batch_size, comm):
+class RingmasterTrainer(Trainer):
+    """rm.DistributedOptimizer: its hooks start allreduces during backward; step() waits for them.
+
+    ``synchronize()`` then ``step()`` under ``skip_synchronize()`` is the same work as a plain
+    ``step()`` (Horovod's documented split), with the wait timed apart from the update.
+    """
+
+    def communicate(self):
+        self.optimizer.synchronize()
+
+    def update(self):
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+
+
+def make_trainers(model_name, batch_size, comm, modes=MODES):
     """One trainer per mode, each with its own copy of the model (the same initial weights)."""
     batch = benchmark_models.synthetic_batch(batch_size, seed=rm.rank())
     trainers = {}
-    for mode in MODES:
+    for mode in modes:
         torch.manual_seed(0)
         model = benchmark_models.create(model_name)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         if mode == "ringmaster":
             optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
             rm.broadcast_parameters(model.state_dict(), root_rank=0)
+            trainers[mode] = RingmasterTrainer(model, optimizer, batch)
         elif mode == "ddp-gloo":
             model = DistributedDataParallel(model)  # broadcasts rank 0's weights itself
-        if mode == "naive-mpi":
+            trainers[mode] = Trainer(model, optimizer, batch)
+        elif mode == "naive-mpi":
             trainers[mode] = NaiveMpiTrainer(model, optimizer, batch, comm)
         elif mode == "sync-only":
             trainers[mode] = SyncOnlyTrainer(model, optimizer, batch, comm)

@@ -41,6 +41,22 @@ def test_training_benchmark_prints_its_table_and_a_trace():
     assert len(re.findall(r"\d+ of \d+ allreduces started before backward ended", result.stdout)) == 4, result.stdout
 
 
+@pytest.mark.timeout(90)
+def test_step_phases_benchmark_prints_phases_and_differences():
+    result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "step_phases.py"),
+                          "--model", "lenet", "--turns", "3", "--warmup", "1", "--batch-size", "2"],
+                         timeout=80, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    number = r" +[+-]?\d+\.\d\d"
+    for mode in ("sync-only", "naive-mpi", "ringmaster"):
+        for rank in (0, 1):  # one row of medians per rank, then one of differences for the compared modes
+            rows = re.findall(rf"^(?:\[0\]: )?{mode} +{rank}(?:{number}){{5}}$", result.stdout, re.MULTILINE)
+            assert len(rows) == (1 if mode == "sync-only" else 2), result.stdout
+    for mode in ("naive-mpi", "ringmaster"):
+        assert re.search(rf"^(?:\[0\]: )?{mode} +slowest{number}$", result.stdout, re.MULTILINE), result.stdout
+    assert "backward passes ended apart" in result.stdout, result.stdout
+
+
 @pytest.mark.timeout(60)
 def test_quantize_benchmark_prints_its_table():
     result = run_command([sys.executable, str(BENCH / "quantize.py"), "--sizes", "4K", "--reps", "2",
