@@ -1,7 +1,7 @@
 """Residual gradient compression, per rank (ringmaster.worker.rgc): the residual invariant
 (sent + residual == accumulated gradients, exactly), combine over simulated ranks, the
 message bytes, selection counts, quantized RGC, momentum correction against torch's SGD,
-clipping, dense decisions, argument and NaN errors, dtypes, the top-k baseline.
+clipping, dense decisions, argument and NaN errors, dtypes, the top-k baseline, checkpoints.
 Single process: N ranks are N compressors whose messages are concatenated."""
 
 from __future__ import annotations
@@ -551,3 +551,93 @@ def test_mode_is_sparse_or_auto():
     assert RGCCompressor().mode == "sparse" and TopKCompressor(mode="auto").mode == "auto"
     with pytest.raises(ValueError, match="mode must be one of 'sparse', 'auto'"):
         RGCCompressor(mode="dense")
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _saved_and_loaded(state_dict):
+    """``state_dict`` through torch.save and torch.load(weights_only=True), as a checkpoint goes."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("options", [dict(ratio=0.05, momentum=0.9, selection="threshold"),
+                                     dict(ratio=0.05, quantize=True, selection="trimmed"),
+                                     dict(ratio=0.05, nesterov=True, momentum=0.5, warmup_steps=2)])
+def test_a_loaded_state_continues_exactly_as_the_saved_compressor_would(options):
+    gradients = [(name, torch.randn(shape, generator=gen(seed))) for seed in range(6)
+                 for name, shape in (("w", (40, 5)), ("b", (300,)))]
+    original = sparse(**options)
+    for name, grad in gradients[:6]:
+        original.prepare(name, grad, 2)
+    saved = _saved_and_loaded(original.state_dict())
+    resumed = sparse(**options)
+    resumed.load_state_dict(saved)
+    for name, grad in gradients[6:]:
+        expected, got = original.prepare(name, grad, 2), resumed.prepare(name, grad, 2)
+        assert expected.dense == got.dense
+        if expected.dense:
+            assert torch.equal(expected.tensor, got.tensor)
+        else:
+            assert torch.equal(expected.message, got.message) and expected.count == got.count
+    for name in ("w", "b"):
+        assert torch.equal(original.residual(name), resumed.residual(name))
+
+
+def test_without_the_loaded_state_the_residuals_are_lost():
+    comp = sparse(ratio=0.01)
+    comp.prepare("w", dyadic(1000, 0), 1)
+    saved = comp.state_dict()
+    assert saved["tensors"]["w"]["residual"].abs().sum() > 0
+    comp.prepare("w", dyadic(1000, 1), 1)  # the saved state is a copy, not a view
+    assert not torch.equal(saved["tensors"]["w"]["residual"], comp.residual("w").reshape(-1))
+    fresh = sparse(ratio=0.01)
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.residual("w").reshape(-1), saved["tensors"]["w"]["residual"])
+    fresh.load_state_dict(sparse(ratio=0.01).state_dict())  # loading replaces, it does not merge
+    with pytest.raises(KeyError):
+        fresh.residual("w")
+
+
+def test_k_follows_the_loading_compressors_ratio():
+    comp = sparse(ratio=0.01)
+    comp.prepare("w", dyadic(1000, 0), 1)
+    other = sparse(ratio=0.1)
+    other.load_state_dict(comp.state_dict())
+    plan = other.prepare("w", dyadic(1000, 1), 1)
+    assert plan.count == 100
+
+
+def test_topk_state_round_trips():
+    comp = TopKCompressor(ratio=0.01, min_size=0, selection="threshold")
+    comp.prepare("w", dyadic(1000, 0), 1)
+    loaded = TopKCompressor(ratio=0.01, min_size=0, selection="threshold")
+    loaded.load_state_dict(_saved_and_loaded(comp.state_dict()))
+    assert loaded.state_dict()["tensors"]["w"]["calls"] == 1
+    grad = dyadic(1000, 1)
+    assert torch.equal(comp.prepare("w", grad, 1).message, loaded.prepare("w", grad, 1).message)
+
+
+@pytest.mark.parametrize("corrupt,field", [
+    (lambda d: d.pop("format"), "format="),
+    (lambda d: d["tensors"]["w"].update(shape="ten"), "shape must be a list of sizes"),
+    (lambda d: d["tensors"]["w"].update(dtype="float99"), "dtype must be the name of a torch dtype"),
+    (lambda d: d["tensors"]["w"].update(calls=-1), "calls must be an integer >= 0"),
+    (lambda d: d["tensors"]["w"].update(residual=torch.zeros(7)), "residual must be None or a 1-D torch.float32"),
+    (lambda d: d["tensors"]["w"].update(thresholds=[]), "thresholds must be two dicts"),
+])
+def test_a_bad_state_dict_is_refused_naming_the_field(corrupt, field):
+    comp = sparse(ratio=0.01)
+    comp.prepare("w", dyadic(1000, 0), 1)
+    state = comp.state_dict()
+    corrupt(state)
+    with pytest.raises(ValueError, match=field):
+        sparse(ratio=0.01).load_state_dict(state)
+    with pytest.raises(ValueError, match="what state_dict\\(\\) of a compressor returned"):
+        sparse().load_state_dict({"state": {}, "param_groups": []})  # an optimizer's, say

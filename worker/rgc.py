@@ -140,6 +140,70 @@ class _TensorState:
 
 
 # ---------------------------------------------------------------------------------------
+# Checkpoints (state_dict / load_state_dict)
+
+#: Tag of a compressor's state_dict, so that another kind of dict is refused by name.
+_STATE_FORMAT = "ringmaster.sparse_compressor.v1"
+_THRESHOLD_FIELDS = tuple(field.name for field in dataclasses.fields(sel.ThresholdState))
+
+
+def _state_to_dict(state: _TensorState) -> dict:
+    """One tensor's state as plain values and tensors (``torch.load(weights_only=True)`` reads it)."""
+    return {"shape": list(state.shape), "dtype": str(state.dtype).removeprefix("torch."), "device": str(state.device),
+            "calls": state.calls, "sparse_steps": state.sparse_steps,
+            "residual": None if state.residual is None else state.residual.clone(),
+            "momentum": None if state.momentum is None else state.momentum.clone(),
+            "thresholds": [dataclasses.asdict(threshold) for threshold in state.thresholds]}
+
+
+def _state_from_dict(name: str, entry, k_of) -> _TensorState:
+    """The state ``_state_to_dict`` wrote for tensor ``name``; ``k_of(numel)`` gives its k."""
+    def bad(field, expected):
+        value = entry.get(field, "nothing") if isinstance(entry, dict) else entry
+        return ValueError(f"state of {name!r} in load_state_dict: {field} must be {expected}, got "
+                          f"{_describe(value)}; pass what state_dict() returned")
+
+    if not isinstance(entry, dict):
+        raise bad("the entry", "a dict")
+    shape = entry.get("shape")
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise bad("shape", "a list of sizes")
+    dtype = getattr(torch, str(entry.get("dtype")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise bad("dtype", "the name of a torch dtype")
+    try:
+        device = torch.device(entry.get("device"))
+    except (TypeError, RuntimeError):
+        raise bad("device", "a device name") from None
+    counts = {field: entry.get(field) for field in ("calls", "sparse_steps")}
+    for field, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad(field, "an integer >= 0")
+    numel = math.prod(shape)
+    buffers = {}
+    for field in ("residual", "momentum"):
+        value = entry.get(field)
+        if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() != numel
+                                  or value.dtype != _accumulator(dtype)):
+            raise bad(field, f"None or a 1-D {_accumulator(dtype)} tensor of {numel} elements")
+        buffers[field] = None if value is None else value.to(device, copy=True)
+    thresholds = entry.get("thresholds")
+    if not isinstance(thresholds, (list, tuple)) or len(thresholds) != 2 or not all(
+            isinstance(t, dict) and set(t) == set(_THRESHOLD_FIELDS) for t in thresholds):
+        raise bad("thresholds", f"two dicts of {', '.join(_THRESHOLD_FIELDS)}")
+    return _TensorState(shape=torch.Size(shape), dtype=dtype, device=device, numel=numel, k=k_of(numel),
+                        calls=counts["calls"], sparse_steps=counts["sparse_steps"], residual=buffers["residual"],
+                        momentum=buffers["momentum"],
+                        thresholds=tuple(sel.ThresholdState(**threshold) for threshold in thresholds))
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+# ---------------------------------------------------------------------------------------
 # Message format
 
 
@@ -281,6 +345,34 @@ class _SparseCompressor:
         """Forget all per-tensor state (residuals, momenta, step counts, thresholds)."""
         self._states.clear()
 
+    def state_dict(self) -> dict:
+        """This rank's per-tensor state, for a checkpoint: residuals, momenta, step counts and
+        selection thresholds (copies; tensors on their own device).
+
+        The residuals hold what was accumulated but not sent yet, and they differ from rank to
+        rank: each rank saves its own and loads it back with :meth:`load_state_dict` when the
+        run resumes, so that nothing accumulated before the checkpoint is lost::
+
+            torch.save(compression.state_dict(), f"rgc-rank{rm.rank()}.pt")
+            ...
+            compression.load_state_dict(torch.load(f"rgc-rank{rm.rank()}.pt"))
+        """
+        return {"format": _STATE_FORMAT, "tensors": {name: _state_to_dict(state)
+                                                      for name, state in self._states.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Replace all per-tensor state by what :meth:`state_dict` returned (on this rank, before).
+
+        ``k`` follows this compressor's ``ratio``. Raises ``ValueError`` naming the tensor and
+        the field when ``state_dict`` is not such a state.
+        """
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT or \
+                not isinstance(state_dict.get("tensors"), dict):
+            raise ValueError(f"load_state_dict expects what state_dict() of a compressor returned (a dict with "
+                             f"format={_STATE_FORMAT!r} and 'tensors'), got {_describe(state_dict)}")
+        self._states = {name: _state_from_dict(name, entry, self._k)
+                        for name, entry in state_dict["tensors"].items()}
+
     # -- helpers for subclasses ---------------------------------------------------------
 
     def _state(self, name: str, grad: torch.Tensor) -> _TensorState:
@@ -288,8 +380,7 @@ class _SparseCompressor:
         state = self._states.get(name)
         if state is None:
             numel = grad.numel()
-            k = min(numel, max(1, math.ceil(Fraction(repr(self.ratio)) * numel)))
-            state = _TensorState(grad.shape, grad.dtype, grad.device, numel, k)
+            state = _TensorState(grad.shape, grad.dtype, grad.device, numel, self._k(numel))
             self._states[name] = state
         elif grad.shape != state.shape or grad.device != state.device:
             raise ValueError(f"gradient of {name!r} changed from shape {tuple(state.shape)} on {state.device} to "
@@ -313,6 +404,10 @@ class _SparseCompressor:
             return sel.select(values, k, self.selection, threshold)
         except ValueError as error:
             raise ValueError(f"cannot select from the residual of {name!r}: {error}") from error
+
+    def _k(self, numel: int) -> int:
+        """Entries sent per sparse step of a tensor of ``numel`` elements."""
+        return min(numel, max(1, math.ceil(Fraction(repr(self.ratio)) * numel)))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """A private generator for the sampled search, leaving torch's default stream alone."""

@@ -307,6 +307,50 @@ for label, compressor in [("rgc ratio=0.05 with momentum", rm.Compression.rgc(ra
     train(label, plain_sgd, compression=compressor, tolerance=float("inf"))
 
 
+def resume_rgc(case, load_residuals):
+    """rgc for STEPS steps, a checkpoint (each rank its own), then STEPS more in the same run and
+    again after resuming from it in new objects: the same parameters, bit for bit, only when
+    the compressor's state was saved and loaded too."""
+    import io
+
+    def build():
+        torch.manual_seed(1)
+        model = Net()
+        compression = rm.Compression.rgc(ratio=0.05, momentum=0.9, min_size=1)
+        optimizer = rm.DistributedOptimizer(plain_sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                            compression=compression)
+        return model, optimizer, compression
+
+    def run(model, optimizer, steps):
+        for x, y in steps:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(shard(x)), shard(y)).backward()
+            optimizer.step()
+
+    data = list(batches(seed=11))
+    model, optimizer, compression = build()
+    run(model, optimizer, data[:STEPS])
+    file = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "compression": compression.state_dict()}, file)
+    run(model, optimizer, data[STEPS:])
+
+    resumed_model, resumed_optimizer, resumed_compression = build()
+    file.seek(0)
+    checkpoint = torch.load(file, weights_only=True)
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    if load_residuals:
+        resumed_compression.load_state_dict(checkpoint["compression"])
+    run(resumed_model, resumed_optimizer, data[STEPS:])
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+    report(case, same == load_residuals, f"parameters {'differ' if load_residuals else 'are equal'} after resuming")
+
+
+resume_rgc("rgc resumed with its state_dict continues bit for bit", load_residuals=True)
+resume_rgc("rgc resumed without its state_dict loses the residuals", load_residuals=False)
+
+
 # mode="auto": the cost model, calibrated when the optimizer is built, decides per tensor;
 # every rank must hold the same model and so take the same decisions.
 auto = rm.Compression.rgc(ratio=0.01, min_size=1, mode="auto")
