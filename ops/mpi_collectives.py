@@ -56,7 +56,7 @@ def mpi_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", source: n
         return buffer
     reduction = mpi_reduction(buffer.dtype, op)
     size = comm.Get_size()
-    traffic.record("mpi_allreduce", _allreduce_sent_bytes(size, buffer.nbytes))
+    traffic.record("mpi_allreduce", 2 * (size - 1) * buffer.nbytes // size)
     if reduction.cast:
         wide = (buffer if source is None else source).astype(reduction.dtype)
         _allreduce(comm, MPI.IN_PLACE, [wide, reduction.datatype], reduction.op)
@@ -92,32 +92,19 @@ def start_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum") -> MPI.
     starts it matches peers that run :func:`mpi_allreduce` on the same length, dtype and
     op. ``buffer`` must stay untouched until the request completes.
     """
-    _check_startable(comm, buffer, op, "start_allreduce")
-    size = comm.Get_size()
-    if size == 1 or buffer.size == 0:
-        return MPI.REQUEST_NULL
-    traffic.record("mpi_allreduce", _allreduce_sent_bytes(size, buffer.nbytes))
-    return comm.Iallreduce(MPI.IN_PLACE, *_in_place_arguments(buffer, op))
-
-
-def _check_startable(comm: MPI.Comm, buffer: np.ndarray, op: str, name: str) -> None:
+    name = "start_allreduce"
     _checks.check_comm(comm, name)
     _checks.check_array(buffer, "buffer", name, writable=True)
     _checks.check_op(op, name)
     if not can_start_allreduce(buffer, op):
         raise ValueError(f"{name}: {buffer.nbytes} bytes of {buffer.dtype} with op {op!r} is not one "
                          f"MPI_Iallreduce in mpi_allreduce (check can_start_allreduce first)")
-
-
-def _in_place_arguments(buffer: np.ndarray, op: str):
-    """(receive buffer, MPI op) of an in-place allreduce of ``buffer`` in its own dtype."""
     reduction = mpi_reduction(buffer.dtype, op)
-    return [buffer.view(reduction.dtype), reduction.datatype], reduction.op
-
-
-def _allreduce_sent_bytes(size: int, nbytes: int) -> int:
-    """What an optimal allreduce of ``nbytes`` sends from each of ``size`` ranks (see traffic)."""
-    return 2 * (size - 1) * nbytes // size
+    size = comm.Get_size()
+    if size == 1 or buffer.size == 0:
+        return MPI.REQUEST_NULL
+    traffic.record("mpi_allreduce", 2 * (size - 1) * buffer.nbytes // size)
+    return comm.Iallreduce(MPI.IN_PLACE, [buffer.view(reduction.dtype), reduction.datatype], reduction.op)
 
 
 class PersistentAllreduce:
@@ -150,15 +137,22 @@ def init_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum") -> Optio
     one-rank ``comm``, and where the MPI library has no persistent collectives (before MPI-4),
     the same on every rank of a job.
     """
-    _check_startable(comm, buffer, op, "init_allreduce")
+    name = "init_allreduce"
+    _checks.check_comm(comm, name)
+    _checks.check_array(buffer, "buffer", name, writable=True)
+    _checks.check_op(op, name)
+    if not can_start_allreduce(buffer, op):
+        raise ValueError(f"{name}: {buffer.nbytes} bytes of {buffer.dtype} with op {op!r} is not one "
+                         f"MPI_Iallreduce in mpi_allreduce (check can_start_allreduce first)")
     size = comm.Get_size()
     if size == 1 or buffer.size == 0:
         return None
+    reduction = mpi_reduction(buffer.dtype, op)
     try:
-        request = comm.Allreduce_init(MPI.IN_PLACE, *_in_place_arguments(buffer, op))
+        request = comm.Allreduce_init(MPI.IN_PLACE, [buffer.view(reduction.dtype), reduction.datatype], reduction.op)
     except (NotImplementedError, AttributeError):  # an MPI library before MPI-4, or an mpi4py before 4.0
         return None
-    return PersistentAllreduce(request, _allreduce_sent_bytes(size, buffer.nbytes))
+    return PersistentAllreduce(request, 2 * (size - 1) * buffer.nbytes // size)
 
 
 def _allreduce(comm: MPI.Comm, send, receive, op) -> None:
