@@ -46,11 +46,10 @@ WIDE = {"UNEVEN_HIDDEN": "600", "UNEVEN_HIDDEN_LAYERS": "3"}
                          [(2, 2, 1, "auto", {}), (3, 2, 1, "auto", {}), (2, 1, 1, "auto", {}), (3, 1, 2, "auto", {}),
                           (4, 1, 2, "all", {}),
                           (4, 2, 1, "small", {**WIDE, "UNEVEN_EXPECT_ORDER": "0,4,3,2,1"}),
-                          (2, 2, 1, "all", {**WIDE, "UNEVEN_EXPECT_ORDER": "0,1,2,3,4"}),
-                          (3, 2, 2, "small", {"UNEVEN_NO_PERSISTENT": "1"})],
+                          (2, 2, 1, "all", {**WIDE, "UNEVEN_EXPECT_ORDER": "0,1,2,3,4"})],
                          ids=["2-ranks", "3-ranks", "joined-before-the-plan-ran", "two-epochs",
                               "two-epochs-buckets-on-the-plan-thread", "wide-layers-reduced-last-produced-first",
-                              "wide-layers-on-the-plan-thread-in-order", "without-persistent-collectives"])
+                              "wide-layers-on-the-plan-thread-in-order"])
 def test_uneven_data_with_join_finishes_and_matches_the_reference(np, first_batches, epochs, overlap, model):
     result = mpirun(np, (JOBS / "uneven_join.py").read_text(), timeout=110,
                     env={"UNEVEN_FIRST_BATCHES": str(first_batches), "UNEVEN_EPOCHS": str(epochs),

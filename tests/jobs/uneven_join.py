@@ -8,7 +8,6 @@ model. Prints FAIL lines, then DONE.
 
 With one first batch, rank 0 joins before the fixed gradient plan's first run, and learns
 of that run from the coordinator; with two, it joins once the plan runs on its own.
-UNEVEN_NO_PERSISTENT=1 runs it as with an MPI library without persistent collectives.
 """
 
 import copy
@@ -18,11 +17,7 @@ import torch
 from torch import nn
 
 import ringmaster as rm
-import ringmaster.ops
 
-PERSISTENT = os.environ.get("UNEVEN_NO_PERSISTENT") != "1"
-if not PERSISTENT:  # as before MPI-4: the plan's small buckets and header fall back to MPI_Iallreduce
-    ringmaster.ops.init_allreduce = lambda comm, buffer, op="sum": None
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()
 torch.set_num_threads(1)
@@ -87,10 +82,6 @@ for epoch in range(EPOCHS):
                                                          root_rank=SIZE - 1)
         reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
         reference_optimizer.load_state_dict(reference_state)
-# Every member has run the plan by now (a rank that joined before its first run, as zeros).
-if (optimizer._plan._header_allreduce is not None) != PERSISTENT:
-    failures += 1
-    print(f"FAIL rank {RANK}: the plan's persistent allreduces were {'not ' if PERSISTENT else ''}used", flush=True)
 worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
 if worst > 1e-5:
     failures += 1
