@@ -6,8 +6,7 @@ matching arguments, in the same order, as with MPI itself.
 * :func:`allreduce` — in place; the ring or MPI_Allreduce, by measured message size.
 * :func:`ring_allreduce` — the pipelined ring (scatter-reduce + allgather), in place.
 * :func:`mpi_allreduce` — ``MPI_Allreduce(MPI_IN_PLACE, ...)``; :func:`start_allreduce`
-  starts the same call for a small buffer and returns its request; :func:`init_allreduce`
-  makes it a :class:`PersistentAllreduce`, for a buffer reduced again and again.
+  starts the same call for a small buffer and returns its request.
 * :func:`quantized_ring_allreduce` — the ring moving a codec's 8-bit encoding (float32).
 * :func:`allgatherv`, :func:`broadcast`, :func:`alltoallv`, :func:`reducescatter`.
 
@@ -17,13 +16,12 @@ Supported dtypes: float16, float32, float64, int32, int64, uint8, bool; ops: "su
 
 from .allreduce import allreduce, choose_algorithm
 from .dtypes import SUPPORTED_DTYPES, SUPPORTED_OPS
-from .mpi_collectives import (PersistentAllreduce, allgatherv, alltoallv, broadcast, can_start_allreduce,
-                              init_allreduce, mpi_allreduce, reducescatter, start_allreduce)
+from .mpi_collectives import (allgatherv, alltoallv, broadcast, can_start_allreduce, mpi_allreduce, reducescatter,
+                              start_allreduce)
 from .quantized_ring import quantized_ring_allreduce
 from .ring import DEFAULT_SEGMENT_BYTES, NETWORK_SEGMENT_BYTES, ring_allreduce
 
 __all__ = [
-    "PersistentAllreduce",
     "SUPPORTED_DTYPES",
     "SUPPORTED_OPS",
     "allgatherv",
@@ -32,7 +30,6 @@ __all__ = [
     "broadcast",
     "can_start_allreduce",
     "choose_algorithm",
-    "init_allreduce",
     "mpi_allreduce",
     "quantized_ring_allreduce",
     "reducescatter",

@@ -12,8 +12,6 @@ temporary wider copy of the data), reduced by MPI and converted back once.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 from mpi4py import MPI
 
@@ -105,54 +103,6 @@ def start_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum") -> MPI.
         return MPI.REQUEST_NULL
     traffic.record("mpi_allreduce", 2 * (size - 1) * buffer.nbytes // size)
     return comm.Iallreduce(MPI.IN_PLACE, [buffer.view(reduction.dtype), reduction.datatype], reduction.op)
-
-
-class PersistentAllreduce:
-    """A persistent allreduce of one buffer in place (``MPI_Allreduce_init``); see :func:`init_allreduce`."""
-
-    def __init__(self, request: MPI.Prequest, sent_bytes: int):
-        self.request = request
-        self._sent_bytes = sent_bytes
-
-    def start(self) -> MPI.Prequest:
-        """Start one allreduce of the buffer's current contents; return the request to wait for."""
-        traffic.record("mpi_allreduce", self._sent_bytes)
-        self.request.Start()
-        return self.request
-
-    def free(self) -> None:
-        """Release the request (not while it is active; before its communicator is freed)."""
-        self.request.Free()
-
-
-def init_allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum") -> Optional[PersistentAllreduce]:
-    """A persistent allreduce of ``buffer`` in place (``MPI_Allreduce_init``), or None where MPI has none.
-
-    For a buffer reduced over and over, such as a fused gradient bucket: each use only
-    ``start()``s it (then ``waiting.wait`` for the request), which skips the argument checks
-    and the schedule Open MPI builds for every ``MPI_Iallreduce``. A collective call: every
-    rank of ``comm`` makes it in the same order, and a persistent allreduce matches only the
-    same persistent allreduce on the other ranks (never :func:`start_allreduce` or
-    :func:`mpi_allreduce`). ``buffer`` takes what :func:`start_allreduce` takes. None on a
-    one-rank ``comm``, and where the MPI library has no persistent collectives (before MPI-4),
-    the same on every rank of a job.
-    """
-    name = "init_allreduce"
-    _checks.check_comm(comm, name)
-    _checks.check_array(buffer, "buffer", name, writable=True)
-    _checks.check_op(op, name)
-    if not can_start_allreduce(buffer, op):
-        raise ValueError(f"{name}: {buffer.nbytes} bytes of {buffer.dtype} with op {op!r} is not one "
-                         f"MPI_Iallreduce in mpi_allreduce (check can_start_allreduce first)")
-    size = comm.Get_size()
-    if size == 1 or buffer.size == 0:
-        return None
-    reduction = mpi_reduction(buffer.dtype, op)
-    try:
-        request = comm.Allreduce_init(MPI.IN_PLACE, [buffer.view(reduction.dtype), reduction.datatype], reduction.op)
-    except (NotImplementedError, AttributeError):  # an MPI library before MPI-4, or an mpi4py before 4.0
-        return None
-    return PersistentAllreduce(request, 2 * (size - 1) * buffer.nbytes // size)
 
 
 def _allreduce(comm: MPI.Comm, send, receive, op) -> None:

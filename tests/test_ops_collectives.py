@@ -237,47 +237,6 @@ def assert_job_ok(result, script_name):
     assert result.lines_starting("OK"), f"{script_name} printed no OK:\n{result.output[-6000:]}"
 
 
-PERSISTENT_CASES = PRELUDE + r'''
-from ringmaster.ops import can_start_allreduce, init_allreduce, traffic
-from ringmaster.ops.waiting import wait
-
-for dtype in DTYPES:
-    for op in OPS:
-        seed = (DTYPES.index(dtype), OPS.index(op))
-        buffer = make(seed, dtype, op, 1000)
-        if not can_start_allreduce(buffer, op):
-            continue
-        persistent = init_allreduce(comm, buffer, op)
-        if persistent is None:
-            failures.append(f"init_allreduce {dtype} {op}: no persistent allreduce from Open MPI 5")
-            continue
-        for use in range(3):  # the same request, new contents each time
-            inputs = [make(seed + (use, k), dtype, op, 1000) for k in range(size)]
-            buffer[:] = inputs[rank]
-            before = traffic.bytes_sent()["total"]
-            wait(persistent.start())
-            check(f"persistent allreduce {dtype} {op} use {use}", buffer, reduce_all(inputs, op))
-            checks += 1
-            if traffic.bytes_sent()["total"] - before != 2 * (size - 1) * buffer.nbytes // size:
-                failures.append(f"persistent allreduce {dtype} {op}: traffic not counted")
-        persistent.free()
-report()
-'''
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("np_", [2, 4])
-def test_persistent_allreduce_reuses_one_request(np_):
-    assert_job_ok(mpirun(np_, PERSISTENT_CASES, timeout=50), "persistent allreduce cases")
-
-
-@pytest.mark.timeout(30)
-def test_persistent_allreduce_is_none_on_one_rank_and_refuses_what_it_cannot_start():
-    assert ops.init_allreduce(SELF, np.ones(4, np.float32)) is None
-    with pytest.raises(ValueError, match="init_allreduce: .* is not one MPI_Iallreduce"):
-        ops.init_allreduce(SELF, np.ones(4 << 20, np.float32))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("np_", [2, 4])

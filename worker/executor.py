@@ -190,7 +190,7 @@ class Executor:
     def free_process_sets(self) -> None:
         """Free the process sets' and gradient plans' communicators (after :meth:`stop` returned True)."""
         for plan in self._attached_plans:
-            plan.free_communicator()
+            plan.comm.Free()
         self._attached_plans.clear()
         for set_id in [i for i in self._sets if i != 0]:
             self._sets.pop(set_id).comm.Free()

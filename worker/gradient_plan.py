@@ -116,8 +116,6 @@ class _Bucket:
         self.dtype = dtype
         self.fused = fused
         self.buffer: Optional[torch.Tensor] = None  # a fused bucket's, from the plan's first run on
-        #: A deferred bucket's persistent allreduce of ``buffer`` (GradientPlan.attach), if MPI has them.
-        self.persistent: Optional[ops.PersistentAllreduce] = None
 
     def allocate(self) -> None:
         if self.fused and self.buffer is None:
@@ -167,8 +165,7 @@ class GradientPlan:
         self._hooks_start_buckets = False
         self._error: Optional[BaseException] = None
         self._header_request = None  # this step's header (see _open_step)
-        self._header_count = np.zeros(1, dtype=np.int32)
-        self._header_allreduce: Optional[ops.PersistentAllreduce] = None  # of _header_count (attach)
+        self._header_count = None
         self._deferred: List[bool] = []  # per bucket: started, then collected at the end of the step
         self._in_flight: list = []       # (bucket number, request, gradients) of this step's deferred buckets
         # For the coordinator's stall report (wait_state): when the running allreduce began.
@@ -294,7 +291,6 @@ class GradientPlan:
             bucket.allocate()
         self._deferred = [self._can_defer(bucket, algorithm) for bucket in self.buckets]
         self._order = reduction_order(self._deferred, overlap_all)
-        self._init_persistent()
 
         def serve():
             prepare_thread()
@@ -320,29 +316,6 @@ class GradientPlan:
 
         self._thread = threading.Thread(target=serve, name="ringmaster-gradient-plan", daemon=True)
         self._thread.start()
-
-    def _init_persistent(self) -> None:
-        """Persistent allreduces of the header and of each deferred bucket: a step only starts them.
-
-        Starting one costs the hook that does it a few microseconds, where an ``MPI_Iallreduce``
-        with ringmaster's checks cost 40-100 (Open MPI builds its schedule anew each time).
-        A collective call, made by every member in :meth:`attach`. Every path that runs such a
-        bucket later, joined ranks and the plan's first run included, starts the same request
-        (a persistent allreduce matches no other); where MPI has none, every path falls back
-        to ``MPI_Iallreduce`` alike.
-        """
-        self._header_allreduce = ops.init_allreduce(self.comm, self._header_count, "sum")
-        for bucket, deferred in zip(self.buckets, self._deferred):
-            if deferred:
-                bucket.persistent = ops.init_allreduce(self.comm, flat_array(bucket.buffer), "sum")
-
-    def free_communicator(self) -> None:
-        """Release the persistent allreduces and the plan's communicator (once :meth:`close` returned True)."""
-        if self._header_request is None and not self._in_flight:  # MPI forbids freeing active ones
-            for persistent in [self._header_allreduce] + [bucket.persistent for bucket in self.buckets]:
-                if persistent is not None:
-                    persistent.free()
-        self.comm.Free()
 
     def close(self, timeout_s: float) -> bool:
         """End the plan's thread once its current bucket is done; False if it is still running."""
@@ -381,7 +354,7 @@ class GradientPlan:
         try:
             gradients = self._take(number, stopping)
             if self._deferred[number]:
-                self._in_flight.append((number, self._start_deferred(number, gradients), gradients))
+                self._start_deferred(number, gradients)
             else:
                 with self._communicating():
                     self._reduce_bucket(number, self.comm, gradients, algorithm, segment_bytes)
@@ -444,14 +417,8 @@ class GradientPlan:
         """
         if self._header_request is not None:  # a step that raised before step() collected it
             self._close_step()
-        self._header_request = self._start_header(live=True)
-
-    def _start_header(self, live: bool):
-        """Start this rank's part of a step's header (1 if it trains, 0 if it has joined); return the request."""
-        self._header_count[0] = 1 if live else 0
-        if self._header_allreduce is not None:
-            return self._header_allreduce.start()
-        return self.comm.Iallreduce(MPI.IN_PLACE, self._header_count, MPI.SUM)
+        self._header_count = np.ones(1, dtype=np.int32)
+        self._header_request = self.comm.Iallreduce(MPI.IN_PLACE, self._header_count, MPI.SUM)
 
     def _close_step(self) -> None:
         """Collect the step's header and its deferred buckets (see :meth:`_start_deferred`)."""
@@ -479,15 +446,9 @@ class GradientPlan:
             work.nbytes, self.comm.Get_size(), work.dtype, "sum")
         return chosen == "mpi" and ops.can_start_allreduce(work, "sum")
 
-    def _start_deferred(self, number: int, gradients: Optional[List[torch.Tensor]]):
-        """Pack deferred bucket ``number`` (zeros for None: a joined rank) and start its allreduce; return the request.
-
-        After backward, :meth:`_close_step` waits for it and unpacks it.
-        """
+    def _start_deferred(self, number: int, gradients: List[torch.Tensor]) -> None:
+        """Start bucket ``number``'s allreduce; :meth:`_close_step` waits for it and unpacks it."""
         bucket = self.buckets[number]
-        if gradients is None:
-            bucket.buffer.zero_()
-            return self._start_buffer(bucket)
         recording = timeline.active()
         if recording is not None:
             names = [self.names[i] for i in bucket.indices]
@@ -496,18 +457,15 @@ class GradientPlan:
         torch.cat([g.reshape(-1) for g in gradients], out=bucket.buffer)
         if self.prescale != 1.0:
             bucket.buffer.mul_(self.prescale)
-        return self._start_buffer(bucket)
-
-    def _start_buffer(self, bucket: _Bucket):
-        if bucket.persistent is not None:
-            return bucket.persistent.start()
-        return ops.start_allreduce(self.comm, flat_array(bucket.buffer), "sum")
+        self._in_flight.append((number, ops.start_allreduce(self.comm, flat_array(bucket.buffer), "sum"),
+                                gradients))
 
     def _header(self, live: bool) -> int:
         """A joined rank's side of a step's header: how many members train in the step."""
+        count = np.array([1 if live else 0], dtype=np.int32)
         with self._communicating():
-            wait(self._start_header(live))
-        return int(self._header_count[0])
+            wait(self.comm.Iallreduce(MPI.IN_PLACE, count, MPI.SUM))
+        return int(count[0])
 
     @contextlib.contextmanager
     def _communicating(self):
@@ -534,12 +492,6 @@ class GradientPlan:
                        segment_bytes: int) -> None:
         """Allreduce one bucket of this step's ``gradients`` (None: a joined rank's zeros)."""
         bucket = self.buckets[number]
-        if bucket.persistent is not None:  # only its persistent allreduce matches the other members'
-            assert comm is self.comm, "a plan's persistent allreduces run on its own communicator"
-            wait(self._start_deferred(number, gradients))
-            if gradients is not None:
-                self._unpack(number, bucket.buffer, gradients)
-            return
         scale = None if self.postscale == 1.0 else self.postscale
         if gradients is None:  # this rank has no data left: it adds zeros
             work = torch.zeros(sum(bucket.sizes), dtype=self.parameters[bucket.indices[0]].dtype)
