@@ -36,7 +36,7 @@ def run_on_first_host(cluster, command, timeout):
                           cwd=str(ROOT), stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise SystemExit(f"failed ({done.returncode}) after {time.perf_counter() - started:.0f} s: "
-                         f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+                         f"{' '.join(command)}\n{done.stdout[-3000:]}\n{cluster.hosts[0].explain(done.stderr)[-3000:]}")
     return done.stdout
 
 

@@ -83,6 +83,49 @@ def test_hosts_have_own_names_and_answer_ssh_with_the_cluster_key(netns_cluster)
     assert _user_known_hosts() == known_hosts_before
 
 
+@pytest.mark.timeout(60)
+def test_cluster_under_a_world_writable_sticky_directory_lets_root_in_everywhere(tmp_path):
+    # as /tmp is on most machines: mode 1777 (a default sshd refuses keys kept below it)
+    parent = tmp_path / "sticky"
+    parent.mkdir()
+    parent.chmod(0o1777)
+    try:
+        cluster = ncl.NetnsCluster(3, parent_dir=str(parent)).start()
+    except ncl.ClusterUnavailable as error:
+        pytest.skip(str(error))
+    with cluster:
+        assert Path(cluster.workdir).parent == parent and Path(cluster.key).parent == parent / Path(cluster.workdir).name
+        for source in [None, *cluster.hosts]:
+            for target in cluster.hosts:
+                result = cluster.ssh(target, ["hostname"], from_host=source)
+                assert result.returncode == 0, result.stderr
+                assert result.stdout.strip() == target.name
+    assert not Path(cluster.workdir).exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_login_carries_the_sshd_reason(netns_cluster):
+    cluster = netns_cluster
+    first, second = cluster.hosts
+    authorized = Path(cluster.workdir) / "authorized_keys"
+    saved = authorized.read_bytes()
+    other_key = Path(cluster.workdir) / "other_id"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)], check=True, timeout=20)
+    authorized.write_bytes(Path(f"{other_key}.pub").read_bytes())  # the cluster's key is no longer let in
+    try:
+        result = cluster.ssh(second, ["true"], from_host=first)
+        assert result.returncode == 255
+        assert "Permission denied (publickey)" in result.stderr
+        assert "--- the cluster's sshd logs say ---" in result.stderr, result.stderr
+        assert re.search(r"sshd\.h2\.log: .*(Failed|refused)", result.stderr), result.stderr
+        # a launcher's output that says the same gets the same reasons (run_on, start_on)
+        assert "sshd.h2.log" in first.explain("root@x: Permission denied (publickey).")
+        assert first.explain("all went well") == "all went well"
+    finally:
+        authorized.write_bytes(saved)
+    assert cluster.ssh(second, ["true"], from_host=first).returncode == 0
+
+
 @pytest.mark.timeout(30)
 def test_teardown_removes_everything_even_after_a_failure():
     with pytest.raises(RuntimeError, match="the test failed"):

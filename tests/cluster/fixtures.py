@@ -76,7 +76,7 @@ def run_on(host: Host, command: Sequence[str], timeout: float, env: Optional[Map
             _kill_group(process)
             process.wait()
     _kill_group(process)  # stray children (a coordinator, prterun) of a finished command
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, host.explain(stderr))
 
 
 def _kill_group(process: subprocess.Popen) -> None:
@@ -117,9 +117,10 @@ class RunningCommand:
 
     @property
     def output(self) -> str:
-        """Everything it printed so far, stdout then stderr."""
+        """Everything it printed so far, stdout then stderr (with the cluster's sshd reasons
+        appended where it says a login was denied)."""
         with self._changed:
-            return "".join(self._streams["stdout"]) + "".join(self._streams["stderr"])
+            return self.host.explain("".join(self._streams["stdout"]) + "".join(self._streams["stderr"]))
 
     def wait_for_matches(self, pattern: str, count: int, timeout: float) -> List["re.Match"]:
         """The first ``count`` stdout lines matching ``pattern`` (``re.search``); fails the test

@@ -325,6 +325,7 @@ class Host:
     address: str
     veth: str  # the root-namespace end of the host's link (the host's end is INTERFACE)
     sshd: Optional[subprocess.Popen] = field(default=None, repr=False)
+    workdir: str = field(default="", repr=False)  # the cluster's (its sshd logs are there)
 
     @property
     def sshd_pid(self) -> int:
@@ -345,7 +346,14 @@ class Host:
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
         kwargs.setdefault("stdin", subprocess.DEVNULL)
-        return subprocess.run(self.command(argv), text=True, timeout=timeout, check=check, **kwargs)
+        result = subprocess.run(self.command(argv), text=True, timeout=timeout, check=check, **kwargs)
+        if isinstance(result.stderr, str):
+            result.stderr = explain_refused_login(result.stderr, self.workdir)
+        return result
+
+    def explain(self, output: str) -> str:
+        """``output`` with the cluster's sshd reasons appended where it says a login was denied."""
+        return explain_refused_login(output, self.workdir)
 
     def processes(self) -> Dict[int, str]:
         """``{pid: command line}`` of what runs on this host, its sshd listener excepted
@@ -377,6 +385,9 @@ class NetnsCluster:
         delay: latency added on each host link in each direction (e.g. ``"0.1ms"``), one
             value or one per host. Needs ``sch_netem``.
         start_timeout: seconds to wait for every sshd to answer.
+        parent_dir: where the cluster's work directory (keys, sshd configs and logs) is made
+            (default: the temporary directory). Its mode does not matter: the test sshd does
+            not check the ownership and modes of the directories above its keys.
 
     Raises (from :meth:`start`, i.e. on ``with``):
         ClusterUnavailable: the machine cannot host the cluster (the reason says why).
@@ -384,13 +395,14 @@ class NetnsCluster:
     """
 
     def __init__(self, num_hosts: int = 2, rate: Shape = None, delay: Shape = None,
-                 start_timeout: float = 15.0):
+                 start_timeout: float = 15.0, parent_dir: Optional[str] = None):
         if num_hosts < 1 or num_hosts > 250:
             raise ValueError(f"num_hosts must be 1..250, got {num_hosts}")
         self.num_hosts = num_hosts
         self.rates = self._per_host(rate, "rate")
         self.delays = self._per_host(delay, "delay")
         self.start_timeout = start_timeout
+        self.parent_dir = parent_dir
         self.id = ""
         self.name = ""
         self.bridge = ""
@@ -450,12 +462,13 @@ class NetnsCluster:
         deadline = time.monotonic() + self.start_timeout
         for host in self.hosts:
             self._wait_for_sshd(host, deadline)
+        self._check_logins()
         for host, rate, delay in zip(self.hosts, self.rates, self.delays):
             if rate or delay:
                 self._shape(host, rate, delay)
 
     def _make_workdir(self) -> None:
-        tmp = tempfile.gettempdir()
+        tmp = self.parent_dir or tempfile.gettempdir()
         for _ in range(100):
             cluster_id = secrets.token_hex(3)
             path = os.path.join(tmp, f"{STATE_DIR_PREFIX}{PREFIX}{cluster_id}")
@@ -507,7 +520,7 @@ class NetnsCluster:
         _run(["ip", "link", "set", self.bridge, "up"])
         for index in range(1, self.num_hosts + 1):
             host = Host(index=index, name=f"{self.name}-h{index}", namespace=f"{self.name}-h{index}",
-                        address=str(addresses[index]), veth=f"{self.name}v{index}")
+                        address=str(addresses[index]), veth=f"{self.name}v{index}", workdir=self.workdir)
             self._created["namespaces"].append(host.namespace)
             _run(["ip", "netns", "add", host.namespace])
             self._created["links"].append(host.veth)
@@ -551,8 +564,12 @@ PrintLastLog no
 X11Forwarding no
 MaxStartups 100:30:200
 MaxSessions 100
-LogLevel ERROR
+LogLevel VERBOSE
 Subsystem sftp internal-sftp
+# This sshd serves only this throwaway cluster, whose keys live in its work directory under
+# the temporary directory. StrictModes (on by default) refuses an AuthorizedKeysFile below
+# any group- or world-writable directory, and /tmp is world-writable on most machines.
+StrictModes no
 """
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(config)
@@ -587,6 +604,20 @@ Subsystem sftp internal-sftp
                                    f"root namespace within {self.start_timeout:g} s ({last}); "
                                    f"log: {self._sshd_log(host)}")
             time.sleep(0.05)
+
+    def _check_logins(self) -> None:
+        """Log in to every host with the cluster's key, from the root namespace, so that a
+        cluster whose sshd refuses the key fails here, with the sshd's reason, rather than in
+        the middle of a job."""
+        for host in self.hosts:
+            result = self.ssh(host, ["true"])
+            if result.returncode != 0:
+                raise ClusterError(f"ssh root@{host.name} with the cluster key failed "
+                                   f"({result.returncode}): {result.stderr.strip()}")
+
+    def login_refusals(self) -> List[str]:
+        """The lines of the hosts' sshd logs that say why a login was refused or failed."""
+        return login_refusals(self.workdir)
 
     def _sshd_log(self, host: Host) -> str:
         with contextlib.suppress(OSError):
@@ -653,8 +684,10 @@ Subsystem sftp internal-sftp
         command = self.ssh_command(host, argv)
         if from_host is not None:
             command = from_host.command(command)
-        return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              stdin=subprocess.DEVNULL, text=True, timeout=timeout)
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, timeout=timeout)
+        result.stderr = explain_refused_login(result.stderr, self.workdir)
+        return result
 
     def throughput_mbit(self, src: Host, dst: Host, nbytes: int = 10_000_000, timeout: float = 30) -> float:
         """Mbit/s of one TCP stream of ``nbytes`` from ``src`` to ``dst`` (receiver-timed)."""
@@ -686,6 +719,35 @@ Subsystem sftp internal-sftp
             lines.append(f"  {host.name}: {host.address} on {INTERFACE} (netns {host.namespace}, "
                          f"veth {host.veth}, sshd pid {host.sshd.pid if host.sshd else '-'}){shaped}")
         return "\n".join(lines)
+
+
+#: What sshd (LogLevel VERBOSE) logs when it refuses or fails a login, e.g. "Authentication
+#: refused: bad ownership or modes for directory /tmp" or "Failed publickey for root ...".
+_REFUSAL_RE = re.compile(r"refused|Failed|[Bb]ad ownership|not allowed|Invalid user|error:")
+#: What ssh prints when the server would not let it in.
+_DENIED_RE = re.compile(r"Permission denied \(")
+
+
+def login_refusals(workdir: str) -> List[str]:
+    """The lines of the sshd logs in cluster work directory ``workdir`` (every host's) that
+    say why a login was refused or failed, each prefixed with the host's log name."""
+    lines = []
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(workdir)):
+            if name.startswith("sshd.") and name.endswith(".log"):
+                with contextlib.suppress(OSError):
+                    with open(os.path.join(workdir, name), encoding="utf-8", errors="replace") as handle:
+                        lines += [f"{name}: {line.strip()}" for line in handle if _REFUSAL_RE.search(line)]
+    return lines
+
+
+def explain_refused_login(output: str, workdir: str) -> str:
+    """``output`` of an ssh (or of a launcher that ran ssh) with, where it says a login was
+    denied, the cluster's sshd log lines giving the reason appended."""
+    if not workdir or not _DENIED_RE.search(output or ""):
+        return output
+    reasons = login_refusals(workdir) or ["(no sshd log line gives a reason)"]
+    return (output.rstrip("\n") + "\n--- the cluster's sshd logs say ---\n" + "\n".join(reasons[-20:]) + "\n")
 
 
 # Clusters of this process that are up: closed at exit and on SIGTERM/SIGHUP.
