@@ -1,4 +1,4 @@
-"""Throughput of the 8-bit codecs (ringmaster.worker.quantization) against a float32 copy.
+"""Throughput of the 8-bit codecs (ringmaster.worker.compression.quantization) against a float32 copy.
 
 Run it directly, no MPI::
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ringmaster.worker import quantization as q
+from ringmaster.worker.compression import quantization as q
 
 UNITS = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
 

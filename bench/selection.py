@@ -1,4 +1,4 @@
-"""Top-k selection speed: ringmaster.worker.selection's methods vs torch.topk on |V|.
+"""Top-k selection speed: ringmaster.worker.compression.selection's methods vs torch.topk on |V|.
 
     python bench/selection.py                                  # 1, 16 and 64 Mi float32
     python bench/selection.py --sizes 256K,1M,2M,4M,8M --threads 1
@@ -15,7 +15,7 @@ magnitude itself. "threshold, search" is a call with a fresh state (it always se
 "selected/k" is the median number of indices returned over k. Progress goes to stderr.
 
 The size cut-offs of ``select(method="auto")`` (``EXACT_BELOW``, ``SAMPLED_FROM`` in
-``worker/selection.py``) come from ``--sizes 64K,128K,256K,512K,1M,2M,4M,8M --threads 1``:
+``worker/compression/selection.py``) come from ``--sizes 64K,128K,256K,512K,1M,2M,4M,8M --threads 1``:
 torch.topk keeps up with trimmed top-k while |V| fits in cache (to about 128 Ki elements
 it is as fast, to 1 Mi at most ~1.4x slower) and falls 4-5x behind from 2 Mi; the sampled
 search is 2x faster than trimmed top-k from 4 Mi on.
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from ringmaster.worker import selection
+from ringmaster.worker.compression import selection
 
 UNITS = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
 

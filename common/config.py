@@ -41,7 +41,7 @@ class Config:
         timeline: record a timeline from ``init()`` to this path; ``{rank}`` in it is replaced
             by the rank, and without ``{rank}`` only rank 0 records.
         gradient_plan: after its first step, DistributedOptimizer reduces gradients in fixed
-            buckets negotiated once per step (see ``ringmaster.worker.gradient_plan``); off:
+            buckets negotiated once per step (see ``ringmaster.worker.runtime.gradient_plan``); off:
             every gradient is negotiated on its own, every step.
         plan_overlap: which of the gradient plan's buckets start during the backward pass:
             ``"all"``, ``"small"`` (only those that are one small MPI call; the others wait

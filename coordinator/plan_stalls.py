@@ -1,6 +1,6 @@
 """Stalls of DistributedOptimizer's gradient plans, seen from the ranks' heartbeats.
 
-A gradient plan's steps are not negotiated (``ringmaster.worker.gradient_plan``): every
+A gradient plan's steps are not negotiated (``ringmaster.worker.runtime.gradient_plan``): every
 rank runs the step's allreduces on a communicator of the plan's own as soon as its
 gradients are ready. A rank that never gets to a step therefore leaves the others waiting
 inside an allreduce, where the coordinator sees no pending request. Instead, each rank's

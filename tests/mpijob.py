@@ -110,7 +110,7 @@ def _run_once(command: Sequence[str], timeout: float, env, cwd) -> JobResult:
 def stop_hung_job(process: subprocess.Popen):
     """Have every rank of a hung job print where its threads are, then kill the job; its (stdout, stderr).
 
-    mpirun and ringrun pass SIGUSR1 on to the ranks (ringmaster.worker.stack_dumps).
+    mpirun and ringrun pass SIGUSR1 on to the ranks (ringmaster.worker.runtime.stack_dumps).
     """
     try:
         os.kill(process.pid, signal.SIGUSR1)

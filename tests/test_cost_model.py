@@ -1,4 +1,4 @@
-"""RedSync's cost model (worker/cost_model.py): the formulas on hand-computed numbers, the
+"""RedSync's cost model (worker/compression/cost_model.py): the formulas on hand-computed numbers, the
 crossover against brute force, argument checks, and calibration on real ringrun jobs."""
 
 import dataclasses
@@ -9,8 +9,8 @@ import random
 
 import pytest
 from mpijob import ringrun
-from ringmaster.worker import cost_model
-from ringmaster.worker.cost_model import CostModel, decision_log
+from ringmaster.worker.compression import cost_model
+from ringmaster.worker.compression.cost_model import CostModel, decision_log
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -310,7 +310,7 @@ def test_calibration_on_a_real_job(np):
     # beta 0.75-1.03 ns/B, so dense 4.6-6.3 ns per element against 4.2-5.2 ns of selection.
     # No assertion that 1e3 elements go dense: in RedSync's model one allgather round
     # (log2(p)*alpha, ~1 ms here) against the allreduce's two makes sparse the cheaper
-    # choice for small tensors too (see worker/cost_model.py); crossover is 1 on this machine.
+    # choice for small tensors too (see worker/compression/cost_model.py); crossover is 1 on this machine.
 
     # describe() on every rank, logged once at INFO, by rank 0 only
     assert len(set(lines["DESCRIBE"].values())) == 1 and "ns/byte" in lines["DESCRIBE"][0]

@@ -111,7 +111,7 @@ def _resolve(prefix: str, name: str, rm):
         "ProcessSet": rm.ProcessSet,
         "Compressor": rm.Compressor,
         # the methods DistributedOptimizer adds to the optimizer it returns
-        "optimizer": importlib.import_module("ringmaster.worker.optimizer")._DistributedOptimizer,
+        "optimizer": importlib.import_module("ringmaster.worker.frontend.optimizer")._DistributedOptimizer,
     }
     return getattr(owners[prefix], name)
 

@@ -281,7 +281,7 @@ def test_coordinator_address_interface():
 def test_a_coordinator_rank_0_starts_binds_to_ringmaster_network_interface_across_hosts():
     """Under plain mpirun rank 0 starts the coordinator; RINGMASTER_NETWORK_INTERFACE picks its address."""
     from ringmaster.common.config import Config
-    from ringmaster.worker.bootstrap import coordinator_bind_address
+    from ringmaster.worker.runtime.bootstrap import coordinator_bind_address
 
     assert coordinator_bind_address(Config(network_interface="lo"), single_host=True) == "127.0.0.1"
     assert coordinator_bind_address(Config(network_interface="lo"), single_host=False) == "127.0.0.1"

@@ -82,6 +82,6 @@ def test_an_optimizer_used_again_after_shutdown_and_init_negotiates_a_new_plan()
     ([], False, []),
 ])
 def test_reduction_order_of_the_gradient_plan(deferred, overlap_all, expected):
-    from ringmaster.worker.gradient_plan import reduction_order
+    from ringmaster.worker.runtime.gradient_plan import reduction_order
 
     assert reduction_order(deferred, overlap_all) == expected

@@ -1,4 +1,4 @@
-"""The 8-bit codecs of ringmaster.worker.quantization: tables, rounding, error, edge cases,
+"""The 8-bit codecs of ringmaster.worker.compression.quantization: tables, rounding, error, edge cases,
 wire format and compressors. Single process, no MPI, a few seconds in all."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from ringmaster.worker import quantization as q
-from ringmaster.worker.compression import Compressor
+from ringmaster.worker.compression import quantization as q
+from ringmaster.worker.compression.compressors import Compressor
 
 CODECS = {
     "dynamic tree": (q.encode_dynamic_tree, q.decode_dynamic_tree, q.dynamic_tree_values),
@@ -197,7 +197,7 @@ def test_ring_codec_lays_blocks_out_as_pack_does(kind, encode, decode, count):
 
 
 def test_wire_compressors_pass_tensors_to_the_ring_unchanged():
-    from ringmaster.worker.compression import Compression, wire_format
+    from ringmaster.worker.compression.compressors import Compression, wire_format
 
     x = torch.randn(5)
     for compressor, name in [(Compression.int8, "int8"), (Compression.linear8, "linear8")]:

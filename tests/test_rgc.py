@@ -1,4 +1,4 @@
-"""Residual gradient compression, per rank (ringmaster.worker.rgc): the residual invariant
+"""Residual gradient compression, per rank (ringmaster.worker.compression.rgc): the residual invariant
 (sent + residual == accumulated gradients, exactly), combine over simulated ranks, the
 message bytes, selection counts, quantized RGC, momentum correction against torch's SGD,
 clipping, dense decisions, argument and NaN errors, dtypes, the top-k baseline, checkpoints.
@@ -12,8 +12,8 @@ import struct
 import pytest
 import torch
 
-from ringmaster.worker import rgc
-from ringmaster.worker.rgc import Plan, RGCCompressor, TopKCompressor
+from ringmaster.worker.compression import rgc
+from ringmaster.worker.compression.rgc import Plan, RGCCompressor, TopKCompressor
 
 pytestmark = pytest.mark.timeout(120)
 

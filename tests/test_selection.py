@@ -1,4 +1,4 @@
-"""Top-k selection for residual gradient compression (ringmaster.worker.selection):
+"""Top-k selection for residual gradient compression (ringmaster.worker.compression.selection):
 exactness of trimmed top-k, the k..2k range and threshold reuse of the binary search, the
 sampled search's bound and fallbacks, degenerate inputs. Single process, a few seconds."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ringmaster.worker import selection as sel
+from ringmaster.worker.compression import selection as sel
 
 METHODS = {
     "exact": lambda v, k: sel.topk_exact(v, k),

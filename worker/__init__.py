@@ -1,28 +1,42 @@
-"""The in-process runtime behind ``rm.init()`` and the torch-facing collectives."""
+"""The public API, re-exported from worker/'s three rooms (``ringmaster/__init__.py`` loads
+this module on the first use of an ``rm.*`` name).
+
+The code lives in subpackages with one job each (docs/architecture.md has the map):
+
+* :mod:`.frontend` — the torch-facing API: collectives, ``DistributedOptimizer``, ...;
+* :mod:`.runtime` — the in-process runtime behind ``rm.init()``: background thread,
+  coordinator client, handles, process sets, timeline;
+* :mod:`.compression` — compressors, 8-bit codecs, residual gradient compression,
+  selection and the cost model.
+
+Imports run frontend → runtime → ops; compression imports neither. A new module goes into
+a room, not here.
+"""
 # ruff: noqa: F401 - this module re-exports the public API
 
-from ringmaster.worker.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather,
-                                           allgather_async, allreduce, allreduce_, allreduce_async,
-                                           allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
-                                           broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
-                                           grouped_allreduce_, grouped_allreduce_async,
-                                           grouped_allreduce_async_, join, poll, reducescatter,
-                                           reducescatter_async, synchronize)
-from ringmaster.worker.errors import (CoordinatorUnreachableError, HorovodInternalError, NotInitializedError,
-                                      RankFailedError, RingmasterError, StalledTensorError, TensorMismatchError)
-from ringmaster.worker.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from ringmaster.worker.sync_batch_norm import SyncBatchNorm
-from ringmaster.worker.topology import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
-                                        rank, shutdown, size)
-
-from ringmaster.worker.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                                          mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
-from ringmaster.worker.compression import Compression, Compressor
-from ringmaster.worker.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                                         broadcast_parameters)
-from ringmaster.worker.optimizer import DistributedOptimizer
-from ringmaster.worker.sparse import sparse_allreduce_async
-from ringmaster.worker.timeline import start_timeline, stop_timeline
-from ringmaster.worker.collectives import (grouped_allgather, grouped_allgather_async, grouped_reducescatter,
-                                           grouped_reducescatter_async)
 from ringmaster.ops.traffic import bytes_sent
+from ringmaster.worker.compression.compressors import Compression, Compressor
+from ringmaster.worker.frontend.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                                   mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                                                   rocm_built)
+from ringmaster.worker.frontend.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather,
+                                                    allgather_async, allreduce, allreduce_, allreduce_async,
+                                                    allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
+                                                    broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+                                                    grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                                                    grouped_allreduce_async, grouped_allreduce_async_,
+                                                    grouped_reducescatter, grouped_reducescatter_async, join, poll,
+                                                    reducescatter, reducescatter_async, synchronize)
+from ringmaster.worker.frontend.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                                                  broadcast_parameters)
+from ringmaster.worker.frontend.optimizer import DistributedOptimizer
+from ringmaster.worker.frontend.sparse import sparse_allreduce_async
+from ringmaster.worker.frontend.sync_batch_norm import SyncBatchNorm
+from ringmaster.worker.frontend.topology import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
+                                                 rank, shutdown, size)
+from ringmaster.worker.runtime.errors import (CoordinatorUnreachableError, HorovodInternalError, NotInitializedError,
+                                              RankFailedError, RingmasterError, StalledTensorError,
+                                              TensorMismatchError)
+from ringmaster.worker.runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                                   remove_process_set)
+from ringmaster.worker.runtime.timeline import start_timeline, stop_timeline

@@ -11,7 +11,7 @@ from torch import nn
 
 import ringmaster as rm
 from job_report import Tally
-from ringmaster.worker import functions
+from ringmaster.worker.frontend import functions
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()

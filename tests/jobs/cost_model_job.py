@@ -15,7 +15,7 @@ import json
 import logging
 import time
 
-from ringmaster.worker import cost_model
+from ringmaster.worker.compression import cost_model
 
 import ringmaster as rm
 

@@ -6,7 +6,7 @@ Run under mpirun; prints FAIL lines, then ``DONE <cases> cases, <failures> failu
 import torch
 
 import ringmaster as rm
-from ringmaster.worker.executor import reducescatter_rows
+from ringmaster.worker.runtime.executor import reducescatter_rows
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()

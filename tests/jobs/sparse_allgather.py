@@ -11,7 +11,7 @@ import torch
 
 import ringmaster as rm
 from job_report import Tally
-from ringmaster.worker import rgc
+from ringmaster.worker.compression import rgc
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()

@@ -9,7 +9,7 @@ import torch
 import ringmaster as rm
 from job_report import Tally
 from ringmaster.ops.quantized_ring import encoded_bytes_sent
-from ringmaster.worker.quantization import RingCodec
+from ringmaster.worker.compression.quantization import RingCodec
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()

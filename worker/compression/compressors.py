@@ -12,7 +12,7 @@ Three kinds:
   decoding (``ops/quantized_ring.py``): each rank sends a quarter of the bytes.
 * **Sparsifiers** (``Compression.rgc(...)``: RedSync's residual gradient compression, and
   ``Compression.topk(...)``): instances with per-tensor state that send each rank's
-  selected entries through one sparse allgather (``worker/rgc.py``); for
+  selected entries through one sparse allgather (``worker/compression/rgc.py``); for
   ``DistributedOptimizer`` only.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ringmaster.worker.rgc import RGCCompressor, TopKCompressor
+from ringmaster.worker.compression.rgc import RGCCompressor, TopKCompressor
 
 
 class Compressor:

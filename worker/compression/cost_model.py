@@ -26,7 +26,7 @@ Terms, as this module reads them:
 - ``gamma2`` (s/element): adding one float32 element during the reduce-scatter; each rank
   reduces ``(p-1)/p * M`` elements. Used for every dtype.
 - ``T_select(M) = select_s_per_element * M``: choosing the ``k`` entries with
-  ``ringmaster.worker.selection.select(values, k, "auto")``.
+  ``ringmaster.worker.compression.selection.select(values, k, "auto")``.
 
 Where this differs from the paper's text, and why: the paper writes the sparse bandwidth
 term as ``(p-1)(MD)beta`` with ``D`` the compression *ratio* and bytes per entry left
@@ -336,7 +336,7 @@ def calibrate(process_set=None, repeats: int = 5, device=None) -> CostModel:
     every rank. ``device``: where the tensors live (default CPU). Takes about 0.25 s on two
     ranks of a 2-core machine, about 1.2 s on four (oversubscribed).
     """
-    from ringmaster.worker.selection import select
+    from ringmaster.worker.compression.selection import select
 
     import ringmaster as rm
 
@@ -396,7 +396,7 @@ def calibrate(process_set=None, repeats: int = 5, device=None) -> CostModel:
 def _sparse_fixed_cost(p: int, repeats: int, device, generator) -> float:
     """Seconds to prepare and combine a small tensor's sparse message (no communication):
     the Python work the sparse path does per tensor, however few entries it sends."""
-    from ringmaster.worker.rgc import RGCCompressor
+    from ringmaster.worker.compression.rgc import RGCCompressor
 
     compressor = RGCCompressor(ratio=SELECT_RATIO, min_size=1)
     grad = torch.randn(FIXED_COST_ELEMENTS, generator=generator).to(device)

@@ -25,8 +25,8 @@ The algorithm (``RGCCompressor``), per tensor:
    itself to be averaged. The average over ranks of the per-rank ``U`` is the momentum buffer
    of the averaged gradient, so dense steps are exactly momentum SGD. No residual is kept.
 4. Sparse steps: ``V += update``; choose ``k = max(1, ceil(ratio * numel))`` entries of
-   largest ``|V|`` with ``worker.selection`` (exactly ``k`` for exact/trimmed, ``k`` to ``2k``
-   for the threshold search); send their indices and values; the selected entries leave the
+   largest ``|V|`` with ``compression.selection`` (exactly ``k`` for exact/trimmed, ``k`` to
+   ``2k`` for the threshold search); send their indices and values; the selected entries leave the
    residual: ``V[sel] -= sent`` (which is ``V[sel] = 0`` unless the values were rounded to a
    16-bit gradient dtype — the rounding error stays in ``V``), and with momentum
    ``U[sel] = 0`` (momentum factor masking: a coordinate that was sent restarts its momentum).
@@ -76,7 +76,7 @@ from fractions import Fraction
 
 import torch
 
-from ringmaster.worker import selection as sel
+from ringmaster.worker.compression import selection as sel
 
 __all__ = [
     "DEFAULT_MIN_SIZE",
@@ -321,12 +321,12 @@ class _SparseCompressor:
     def setup(self, named_sizes, process_set) -> None:
         """Called by ``DistributedOptimizer`` on every rank when it is built, with
         ``{name: numel}`` of the parameters. With ``mode="auto"`` this calibrates the job's
-        cost model (a collective: RedSync's T_sparse vs T_dense, ``worker/cost_model.py``)
+        cost model (a collective: RedSync's T_sparse vs T_dense, ``worker/compression/cost_model.py``)
         and decides per tensor, identically on every rank; the decisions are logged once at
         INFO on ``ringmaster.compression`` by the set's rank 0."""
         if self.mode != "auto":
             return
-        from ringmaster.worker import cost_model
+        from ringmaster.worker.compression import cost_model
 
         model = cost_model.calibrated(process_set)
         eligible = {name: numel for name, numel in named_sizes.items() if numel >= self.min_size}
@@ -420,7 +420,7 @@ class RGCCompressor(_SparseCompressor):
     """Residual gradient compression with RedSync's options (see the module docstring).
 
     ``ratio``: share of each sparse tensor sent per step, ``0 < ratio <= 1`` (k =
-    ``max(1, ceil(ratio * numel))``). ``selection``: a ``worker.selection`` method (``auto``,
+    ``max(1, ceil(ratio * numel))``). ``selection``: a ``compression.selection`` method (``auto``,
     ``exact``, ``trimmed``, ``threshold``, ``sampled``); ``threshold`` and large tensors under
     ``auto`` reuse a searched threshold per tensor. ``quantize``: quantized RGC (not with
     ``sampled``, as in RedSync). ``momentum``/``nesterov``: momentum correction and factor
@@ -626,8 +626,8 @@ def _check_ratio(ratio) -> float:
 
 def _check_selection(selection) -> str:
     if selection not in _METHODS:
-        raise ValueError(f"selection must be one of {', '.join(map(repr, _METHODS))} (see worker.selection), "
-                         f"got {selection!r}; 'auto' picks by tensor size")
+        raise ValueError(f"selection must be one of {', '.join(map(repr, _METHODS))} (see "
+                         f"ringmaster.worker.compression.selection), got {selection!r}; 'auto' picks by tensor size")
     return selection
 
 

@@ -5,7 +5,7 @@ tensor table, declares it to the coordinator and returns a handle; ``synchronize
 waits for it. The background thread does the communication.
 
 Every collective takes ``process_set=`` (default: every rank): only the set's members
-call it, and it runs among them (see :mod:`ringmaster.worker.process_sets`).
+call it, and it runs among them (see :mod:`ringmaster.worker.runtime.process_sets`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Optional, Sequence
 import torch
 
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.compression import Compression
-from ringmaster.worker.executor import Entry
-from ringmaster.worker.process_sets import ProcessSet, global_process_set, member_set
-from ringmaster.worker.runtime import runtime
-from ringmaster.worker.tensors import REDUCIBLE_DTYPES, device_name, dtype_name
+from ringmaster.worker.compression.compressors import Compression
+from ringmaster.worker.runtime.executor import Entry
+from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set, member_set
+from ringmaster.worker.runtime.lifecycle import runtime
+from ringmaster.worker.runtime.tensors import REDUCIBLE_DTYPES, device_name, dtype_name
 
 # Reduction constants, numbered as horovod.torch numbers them.
 Average = pb.AVERAGE

@@ -7,7 +7,7 @@ first layers still runs. ``step()`` waits for them, then runs the wrapped optimi
 
 The first step negotiates each gradient with the coordinator. When that step shows plain
 data-parallel training on every rank, later steps follow a fixed plan of buckets that runs
-on a communicator of its own, without negotiation (``ringmaster.worker.gradient_plan``).
+on a communicator of its own, without negotiation (``ringmaster.worker.runtime.gradient_plan``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ringmaster.worker import collectives
-from ringmaster.worker.compression import Compression, wire_format
-from ringmaster.worker.errors import RingmasterError
-from ringmaster.worker.gradient_plan import GradientPlan
-from ringmaster.worker.process_sets import ProcessSet, global_process_set
-from ringmaster.worker.runtime import runtime
-from ringmaster.worker.sparse import sparse_allreduce_async
-from ringmaster.worker.tensors import reduction_dtype
+from ringmaster.worker.frontend import collectives
+from ringmaster.worker.compression.compressors import Compression, wire_format
+from ringmaster.worker.runtime.errors import RingmasterError
+from ringmaster.worker.runtime.gradient_plan import GradientPlan
+from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set
+from ringmaster.worker.runtime.lifecycle import runtime
+from ringmaster.worker.frontend.sparse import sparse_allreduce_async
+from ringmaster.worker.runtime.tensors import reduction_dtype
 
 _NAME_PREFIX = "DistributedOptimizer."
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ringmaster.worker.collectives import Sum, allgather, allreduce
-from ringmaster.worker.topology import size
+from ringmaster.worker.frontend.collectives import Sum, allgather, allreduce
+from ringmaster.worker.frontend.topology import size
 
 
 class SyncBatchNorm(_BatchNorm):

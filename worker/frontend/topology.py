@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ringmaster.worker.runtime import init, is_initialized, runtime, shutdown
+from ringmaster.worker.runtime.lifecycle import init, is_initialized, runtime, shutdown
 
 
 def rank() -> int:

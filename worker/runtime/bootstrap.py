@@ -19,7 +19,7 @@ from typing import Optional
 
 from ringmaster.common.config import Config
 from ringmaster.common.interfaces import InterfaceError, interface_ipv4
-from ringmaster.worker.errors import CoordinatorUnreachableError
+from ringmaster.worker.runtime.errors import CoordinatorUnreachableError
 
 
 @dataclass

@@ -11,10 +11,10 @@ import grpc
 from ringmaster.coordinator.auth import call_metadata
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
-from ringmaster.worker.errors import (CoordinatorUnreachableError, RankFailedError, RingmasterError,
+from ringmaster.worker.runtime.errors import (CoordinatorUnreachableError, RankFailedError, RingmasterError,
                                      StalledTensorError)
-from ringmaster.worker.outbox import END, Outbox
-from ringmaster.worker.stack_dumps import print_stacks
+from ringmaster.worker.runtime.outbox import END, Outbox
+from ringmaster.worker.runtime.stack_dumps import print_stacks
 
 log = logging.getLogger("ringmaster.worker")
 

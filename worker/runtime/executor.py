@@ -28,11 +28,11 @@ import torch
 
 from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker import timeline
-from ringmaster.worker.errors import RankFailedError, RingmasterError, TensorMismatchError
-from ringmaster.worker.handles import Handle
-from ringmaster.worker.gradient_plan import overlaps_all
-from ringmaster.worker.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
+from ringmaster.worker.runtime import timeline
+from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
+from ringmaster.worker.runtime.handles import Handle
+from ringmaster.worker.runtime.gradient_plan import overlaps_all
+from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -514,7 +514,7 @@ def _copy_out(entries, buffer: torch.Tensor, sizes, shapes, dtype: torch.dtype) 
 @functools.lru_cache(maxsize=None)
 def _ring_codec(compression: str):
     """The codec of an 8-bit wire format ("int8": Dettmers' dynamic tree; "linear8")."""
-    from ringmaster.worker.quantization import RingCodec
+    from ringmaster.worker.compression.quantization import RingCodec
 
     return RingCodec({"int8": "dynamic tree", "linear8": "linear8"}[compression])
 

@@ -52,9 +52,9 @@ from mpi4py import MPI
 
 from ringmaster import ops
 from ringmaster.ops.waiting import eagerly, wait
-from ringmaster.worker import timeline
-from ringmaster.worker.errors import RingmasterError
-from ringmaster.worker.tensors import flat_array
+from ringmaster.worker.runtime import timeline
+from ringmaster.worker.runtime.errors import RingmasterError
+from ringmaster.worker.runtime.tensors import flat_array
 
 #: Gradients of at least this many bytes are reduced where they lie, each on its own
 #: (as the executor does with big tensors); smaller neighbours share a fused bucket.

@@ -6,7 +6,7 @@ import itertools
 import threading
 from typing import Any, Dict, Optional
 
-from ringmaster.worker.errors import RingmasterError
+from ringmaster.worker.runtime.errors import RingmasterError
 
 
 class Handle:

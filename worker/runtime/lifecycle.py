@@ -13,14 +13,14 @@ from typing import List, Optional
 from ringmaster.common.config import Config, load_config
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker import timeline
-from ringmaster.worker.bootstrap import CoordinatorEndpoint, find_coordinator
-from ringmaster.worker.client import CoordinatorClient
-from ringmaster.worker.errors import NotInitializedError, RingmasterError
-from ringmaster.worker.executor import Entry, Executor, TensorTable
-from ringmaster.worker.handles import HandleTable
-from ringmaster.worker.outbox import Outbox
-from ringmaster.worker.stack_dumps import install_dump_signal
+from ringmaster.worker.runtime import timeline
+from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
+from ringmaster.worker.runtime.client import CoordinatorClient
+from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
+from ringmaster.worker.runtime.executor import Entry, Executor, TensorTable
+from ringmaster.worker.runtime.handles import HandleTable
+from ringmaster.worker.runtime.outbox import Outbox
+from ringmaster.worker.runtime.stack_dumps import install_dump_signal
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -40,7 +40,7 @@ class Runtime:
         self.fatal_error: Optional[RingmasterError] = None
         self._join_lock = threading.Lock()
         self._join_handle = None
-        from ringmaster.worker.process_sets import global_process_set  # it imports this module
+        from ringmaster.worker.runtime.process_sets import global_process_set  # it imports this module
 
         global_process_set.ranks = list(range(self.size))
         # Registered process sets by id (add_process_set / remove_process_set keep it).

@@ -133,7 +133,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     ``f"timeline.{rm.rank()}.json"``. A timeline already being recorded is closed first.
     ``mark_cycles`` adds an instant event each time a response list arrives.
     """
-    from ringmaster.worker.runtime import runtime
+    from ringmaster.worker.runtime.lifecycle import runtime
 
     global _active
     runtime()  # must be initialized, like every other call

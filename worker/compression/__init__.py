@@ -1,0 +1,12 @@
+"""The compression room: gradient compressors and the torch side of the codecs.
+
+What lives here: the ``Compression`` namespace and the compressor interface
+(:mod:`.compressors`), Dettmers' 8-bit codecs (:mod:`.quantization`; the runtime's executor
+applies them on the wire), RedSync's residual gradient compression (:mod:`.rgc`), top-k
+selection (:mod:`.selection`) and RedSync's cost model (:mod:`.cost_model`).
+
+Tensor arithmetic that communicates nothing. It may import torch, ``ringmaster.ops`` and
+``ringmaster.common``; it never imports ``ringmaster.worker.runtime`` or
+``ringmaster.worker.frontend`` (both use it), nor ``ringmaster`` or ``ringmaster.worker``
+(``tests/test_layout.py`` checks this).
+"""
