@@ -262,7 +262,7 @@ def test_ringrun_across_two_hosts(netns_cluster, interface):
 
 COORDINATOR_WHERE = textwrap.dedent("""\
     import torch, ringmaster as rm
-    from ringmaster.worker.runtime.lifecycle import runtime
+    from ringmaster.worker.runtime.current import runtime
     rm.init()
     total = rm.allreduce(torch.tensor([rm.rank() + 1.0]), op=rm.Sum)
     print("RESULT", rm.rank(), runtime().endpoint.address, total.item(), flush=True)

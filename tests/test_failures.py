@@ -162,7 +162,7 @@ def test_collectives_before_init_raise_a_clear_error():
 def test_a_dead_coordinator_is_reported_on_every_rank():
     result, seconds = run_timed(2, """
         import time, torch, ringmaster as rm
-        from ringmaster.worker.runtime.lifecycle import runtime
+        from ringmaster.worker.runtime.current import runtime
         rm.init()
         rm.allreduce(torch.ones(2))
         if rm.rank() == 0:

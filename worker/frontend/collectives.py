@@ -19,9 +19,9 @@ import torch
 
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.compression.compressors import Compression
+from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.executor import Entry
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set, member_set
-from ringmaster.worker.runtime.lifecycle import runtime
 from ringmaster.worker.runtime.tensors import REDUCIBLE_DTYPES, device_name, dtype_name
 
 # Reduction constants, numbered as horovod.torch numbers them.

@@ -10,8 +10,8 @@ from typing import Any, List, Optional
 import torch
 
 from ringmaster.worker.frontend import collectives
+from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set, member_set
-from ringmaster.worker.runtime.lifecycle import runtime
 
 #: Object payloads move in chunks of at most this many bytes (MPI counts are 32-bit).
 OBJECT_CHUNK_BYTES = 1 << 30

@@ -20,13 +20,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ringmaster.worker.frontend import collectives
 from ringmaster.worker.compression.compressors import Compression, wire_format
+from ringmaster.worker.frontend import collectives
+from ringmaster.worker.frontend.sparse import sparse_allreduce_async
+from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.errors import RingmasterError
 from ringmaster.worker.runtime.gradient_plan import GradientPlan
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set
-from ringmaster.worker.runtime.lifecycle import runtime
-from ringmaster.worker.frontend.sparse import sparse_allreduce_async
 from ringmaster.worker.runtime.tensors import reduction_dtype
 
 _NAME_PREFIX = "DistributedOptimizer."

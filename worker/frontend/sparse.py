@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 
 from ringmaster.worker.frontend import collectives
+from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set, member_set
-from ringmaster.worker.runtime.lifecycle import runtime
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None,

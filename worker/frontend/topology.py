@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ringmaster.worker.runtime.lifecycle import init, is_initialized, runtime, shutdown
+from ringmaster.worker.runtime.current import is_initialized, runtime
+from ringmaster.worker.runtime.lifecycle import init, shutdown
 
 
 def rank() -> int:

@@ -30,8 +30,8 @@ from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
-from ringmaster.worker.runtime.handles import Handle
 from ringmaster.worker.runtime.gradient_plan import overlaps_all
+from ringmaster.worker.runtime.handles import Handle
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
 
 log = logging.getLogger("ringmaster.worker")

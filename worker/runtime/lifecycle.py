@@ -1,4 +1,8 @@
-"""The per-process runtime behind ``rm.init()``: communicator, coordinator stream, background thread."""
+"""The per-process runtime behind ``rm.init()``: communicator, coordinator stream, background thread.
+
+:func:`init` builds the :class:`Runtime` and :func:`shutdown` takes it down; in between,
+:mod:`.current` holds it for everything else (``runtime()``, ``is_initialized()``).
+"""
 
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ from typing import List, Optional
 from ringmaster.common.config import Config, load_config
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime import timeline
+from ringmaster.worker.runtime import current, timeline
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
 from ringmaster.worker.runtime.executor import Entry, Executor, TensorTable
 from ringmaster.worker.runtime.handles import HandleTable
 from ringmaster.worker.runtime.outbox import Outbox
+from ringmaster.worker.runtime.process_sets import global_process_set
 from ringmaster.worker.runtime.stack_dumps import install_dump_signal
 
 log = logging.getLogger("ringmaster.worker")
@@ -40,8 +45,6 @@ class Runtime:
         self.fatal_error: Optional[RingmasterError] = None
         self._join_lock = threading.Lock()
         self._join_handle = None
-        from ringmaster.worker.runtime.process_sets import global_process_set  # it imports this module
-
         global_process_set.ranks = list(range(self.size))
         # Registered process sets by id (add_process_set / remove_process_set keep it).
         self.process_sets = {0: global_process_set}
@@ -149,7 +152,7 @@ def _topology(comm):
 
 
 # ---------------------------------------------------------------- singleton
-_runtime: Optional[Runtime] = None
+# The current Runtime itself is kept in .current (runtime(), is_initialized()).
 _lock = threading.Lock()
 _unhandled_exception = False
 _exit_hooks_installed = False
@@ -164,9 +167,8 @@ def init(comm=None) -> None:
 
     Calling it again while initialized does nothing; after :func:`shutdown` it starts anew.
     """
-    global _runtime
     with _lock:
-        if _runtime is not None:
+        if current.is_initialized():
             return
         import mpi4py
 
@@ -187,12 +189,13 @@ def init(comm=None) -> None:
             raise RingmasterError("MPI was initialized without thread support; ringmaster runs collectives "
                                   "on a background thread: initialize MPI with MPI_THREAD_MULTIPLE "
                                   "(mpi4py does by default unless mpi4py.rc.thread_level was changed)")
-        _runtime = Runtime(comm.Dup(), config)
+        started = Runtime(comm.Dup(), config)
+        current.replace(started)
         _install_exit_hooks()
         install_dump_signal()  # kill -USR1 prints where each thread of a rank is
-    if config.timeline and ("{rank}" in config.timeline or _runtime.rank == 0):
+    if config.timeline and ("{rank}" in config.timeline or started.rank == 0):
         try:
-            timeline.start_timeline(config.timeline.replace("{rank}", str(_runtime.rank)))
+            timeline.start_timeline(config.timeline.replace("{rank}", str(started.rank)))
         except Exception:
             shutdown()  # init() either succeeds or leaves nothing running
             raise
@@ -200,25 +203,11 @@ def init(comm=None) -> None:
 
 def shutdown() -> None:
     """Leave the job cleanly: finish the stream to the coordinator and stop the background thread."""
-    global _runtime
     with _lock:
-        runtime, _runtime = _runtime, None
+        runtime = current.replace(None)
     if runtime is not None:
         runtime.shutdown()
     timeline.stop_timeline()
-
-
-def is_initialized() -> bool:
-    """True between :func:`init` and :func:`shutdown`."""
-    return _runtime is not None
-
-
-def runtime() -> Runtime:
-    """The current runtime, or a clear error if :func:`init` has not been called."""
-    current = _runtime
-    if current is None:
-        raise NotInitializedError("ringmaster is not initialized: call ringmaster.init() first")
-    return current
 
 
 def _install_exit_hooks() -> None:
@@ -239,10 +228,10 @@ def _install_exit_hooks() -> None:
 
 
 def _at_exit() -> None:
-    current = _runtime
-    if current is None:
+    runtime = current.peek()
+    if runtime is None:
         return
-    if current.fatal_error is not None or _unhandled_exception:
+    if runtime.fatal_error is not None or _unhandled_exception:
         # A collective may be stuck in MPI forever, and MPI_Finalize would wait on it.
         # Leaving without a goodbye tells the coordinator this rank failed, and it aborts the others.
         sys.stdout.flush()

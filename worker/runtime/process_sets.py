@@ -32,8 +32,8 @@ import torch
 
 from ringmaster.coordinator.negotiation import ranks_problem
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.executor import Entry
-from ringmaster.worker.runtime.lifecycle import runtime
 
 _counters = {"add": itertools.count(), "remove": itertools.count()}
 _counter_lock = threading.Lock()

@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Dict, Iterable, Optional
 
+from ringmaster.worker.runtime.current import runtime
+
 _CLOSE = object()
 
 
@@ -133,8 +135,6 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     ``f"timeline.{rm.rank()}.json"``. A timeline already being recorded is closed first.
     ``mark_cycles`` adds an instant event each time a response list arrives.
     """
-    from ringmaster.worker.runtime.lifecycle import runtime
-
     global _active
     runtime()  # must be initialized, like every other call
     if not isinstance(file_path, (str, os.PathLike)) or not str(file_path):
