@@ -16,6 +16,7 @@ import logging
 import time
 
 from ringmaster.worker.compression import cost_model
+from ringmaster.worker.frontend import calibration
 
 import ringmaster as rm
 
@@ -26,9 +27,9 @@ RANK = rm.rank()
 failures = 0
 
 start = time.perf_counter()
-model = cost_model.calibrated()
+model = calibration.calibrated()
 elapsed = time.perf_counter() - start
-again = cost_model.calibrated()
+again = calibration.calibrated()
 
 fields = {name: (value.hex() if isinstance(value, float) else value) for name, value in model.as_dict().items()}
 print(f"MODEL {RANK} {json.dumps(fields, sort_keys=True)}", flush=True)

@@ -3,7 +3,8 @@
 What lives here: the ``Compression`` namespace and the compressor interface
 (:mod:`.compressors`), Dettmers' 8-bit codecs (:mod:`.quantization`; the runtime's executor
 applies them on the wire), RedSync's residual gradient compression (:mod:`.rgc`), top-k
-selection (:mod:`.selection`) and RedSync's cost model (:mod:`.cost_model`).
+selection (:mod:`.selection`) and RedSync's cost model (:mod:`.cost_model`; measuring it on
+the job is a collective, and lives in the frontend's ``calibration``).
 
 Tensor arithmetic that communicates nothing. It may import torch, ``ringmaster.ops`` and
 ``ringmaster.common``; it never imports ``ringmaster.worker.runtime`` or

@@ -1,6 +1,8 @@
-"""RedSync's communication cost model, calibrated on the running job: per tensor, is residual
-gradient compression (a sparse allgather of the selected entries) or a dense ring allreduce
-faster?
+"""RedSync's communication cost model: per tensor, is residual gradient compression (a
+sparse allgather of the selected entries) or a dense ring allreduce faster? It is calibrated
+on the running job by ``ringmaster.worker.frontend.calibration``, which times the
+collectives; this module is the arithmetic: the formulas, and the fit of their parameters
+to the measured times (``_fit``).
 
 The model is Eq. 1 and Eq. 2 of RedSync ("RedSync: Reducing Synchronization Traffic for
 Distributed Deep Learning", Fang, Fu, Yang and Hsieh, 2018; section "Performance model",
@@ -43,18 +45,19 @@ microseconds). Without it Eq. 1 carries half the latency of Eq. 2 and is otherwi
 in ``M``, so the model would send the smallest tensors sparse, where in ringmaster they
 cost more than they save.
 
-Calibration (:func:`calibrate`) measures ``alpha`` and ``beta`` through ringmaster's own
-public ``allreduce``, minus the coordinator round trip (a ``barrier``), which both paths
-pay once per tensor: ``alpha`` is the data's latency (ringmaster's ring allreduce takes
-``2(p-1)`` steps, not ``2 log2 p``; the model keeps the paper's form and the measured time
-is divided by ``2 log2 p``). The model prefers dense for small tensors while
-``sparse_fixed_s`` exceeds ``log2(p) * alpha`` plus the cost of one sparse entry. For large tensors it prefers sparse iff the sparse path's cost per element,
+Calibration (``frontend/calibration.py``) measures ``alpha`` and ``beta`` through
+ringmaster's own public ``allreduce``, minus the coordinator round trip (a ``barrier``),
+which both paths pay once per tensor: ``alpha`` is the data's latency (ringmaster's ring
+allreduce takes ``2(p-1)`` steps, not ``2 log2 p``; the model keeps the paper's form and the
+measured time is divided by ``2 log2 p``). The model prefers dense for small tensors while
+``sparse_fixed_s`` exceeds ``log2(p) * alpha`` plus the cost of one sparse entry. For large
+tensors it prefers sparse iff the sparse path's cost per element,
 ``select_s_per_element + ratio*((p-1)*B_msg*beta + p*gamma1)``, is below the dense one,
 ``2(p-1)/p*D*beta + (p-1)/p*gamma2``; otherwise it switches from sparse to dense at some size.
 :meth:`CostModel.crossover` reports the smallest size from which sparse wins for good.
 
 Every rank must agree on every decision (ranks that pick different collectives for the same
-tensor deadlock), so :func:`calibrate` reduces its raw measurements with one allreduce
+tensor deadlock), so calibration reduces its raw measurements with one allreduce
 (``Max``: exact in floating point, and the job runs at its slowest rank's pace) and every
 rank derives the parameters from the same numbers: the model is bit-identical on all ranks,
 and :meth:`CostModel.prefers_sparse` is a pure function of it.
@@ -63,19 +66,11 @@ and :meth:`CostModel.prefers_sparse` is a pure function of it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import numbers
-import statistics
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-import torch
-
-__all__ = ["CostModel", "calibrate", "calibrated", "clear_cache", "decision_log"]
-
-logger = logging.getLogger("ringmaster.compression")
+__all__ = ["CostModel", "decision_log"]
 
 #: Bytes of one index on the wire (int32).
 INDEX_BYTES = 4
@@ -93,8 +88,6 @@ SCATTER_ENTRIES = 1 << 16
 #: Lower bounds for a measured parameter whose two-point fit came out non-positive (timing
 #: noise, e.g. on oversubscribed cores): 0.1 microsecond, 1e-13 s per byte or element.
 MIN_ALPHA = 1e-7
-#: Elements of the tensor whose sparse round trip (prepare + combine) gives ``sparse_fixed_s``.
-FIXED_COST_ELEMENTS = 4096
 MIN_PER_UNIT = 1e-13
 
 
@@ -298,114 +291,7 @@ def decision_log(model: CostModel, named_sizes: Mapping[str, int], ratio: float,
 
 
 # ---------------------------------------------------------------------------------------
-# Calibration
-
-
-def _median_time(call: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    call()  # warm-up
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def calibrate(process_set=None, repeats: int = 5, device=None) -> CostModel:
-    """Measure a :class:`CostModel` on the running job.
-
-    A collective: **every rank of** ``process_set`` (default: the whole job) **must call it
-    at the same point**, from the thread that submits its collectives, like an allreduce; it
-    runs allreduces named ``ringmaster.cost_model.*``. It uses only the public collectives.
-
-    - ``alpha``, ``beta``: median time (after a warm-up) of ``repeats`` allreduces (Sum) of
-      one float32 (4 B) and of 1 Mi float32 (4 MiB); Eq. 2 through those two points, with
-      the ``gamma2`` term subtracted. Non-positive fits (noise) are raised to ``MIN_ALPHA``
-      and ``MIN_PER_UNIT``. With one rank no message is sent and neither parameter enters
-      a formula; they are then the small allreduce's time and the large one's extra time
-      per byte.
-    - ``gamma2``: ``a.add_(b)`` on 1 Mi float32 elements, per element.
-    - ``gamma1``: ``index_add_`` of 64 Ki random entries into 1 Mi elements, per entry.
-    - ``select_s_per_element``: ``selection.select(values, ceil(0.001 n), "auto")`` on
-      random normal tensors of 1 Mi and 4 Mi elements; least-squares slope through 0.
-
-    The raw medians are reduced with one ``Max`` allreduce of a float64 tensor and every
-    rank computes the parameters from the same numbers, so the model is bit-identical on
-    every rank. ``device``: where the tensors live (default CPU). Takes about 0.25 s on two
-    ranks of a 2-core machine, about 1.2 s on four (oversubscribed).
-    """
-    from ringmaster.worker.compression.selection import select
-
-    import ringmaster as rm
-
-    repeats = _check_positive("repeats", repeats, integer=True)
-    process_set = rm.global_process_set if process_set is None else process_set
-    if not rm.is_initialized():
-        raise ValueError("calibrate() needs a running job: call ringmaster.init() first")
-    p = process_set.size()
-    if p is None:
-        raise ValueError(f"calibrate(): {process_set} is not registered; register it with add_process_set()")
-    if not process_set.included():
-        raise ValueError(f"calibrate(): rank {rm.rank()} is not a member of {process_set}; only members call it")
-    device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type == "cuda":
-        def sync():
-            torch.cuda.synchronize(device)
-    else:
-        def sync():
-            pass
-    prefix = f"ringmaster.cost_model.{process_set.process_set_id}"
-
-    def allreduce(tensor, what):
-        return rm.allreduce(tensor, op=rm.Sum, name=f"{prefix}.{what}", process_set=process_set)
-
-    # Collectives first, while the ranks are in step (the warm-up call lines them up). The
-    # coordinator round trip (a barrier is nothing else) is paid once per tensor by both
-    # paths alike, so it is taken out of alpha: alpha is the data's latency.
-    t_barrier = _median_time(lambda: rm.barrier(process_set=process_set), repeats, sync)
-    small = torch.ones(1, dtype=torch.float32, device=device)
-    large = torch.ones(LARGE_ELEMENTS, dtype=torch.float32, device=device)
-    t_small = _median_time(lambda: allreduce(small, "small"), repeats, sync)
-    t_large = _median_time(lambda: allreduce(large, "large"), repeats, sync)
-
-    # Local costs.
-    generator = torch.Generator().manual_seed(1234)
-    a = torch.rand(GAMMA_ELEMENTS, generator=generator).to(device)
-    b = torch.rand(GAMMA_ELEMENTS, generator=generator).to(device)
-    t_add = _median_time(lambda: a.add_(b), repeats, sync)
-    index = torch.randint(0, GAMMA_ELEMENTS, (SCATTER_ENTRIES,), generator=generator).to(device)
-    entries = torch.rand(SCATTER_ENTRIES, generator=generator).to(device)
-    t_scatter = _median_time(lambda: a.index_add_(0, index, entries), repeats, sync)
-    t_fixed = _sparse_fixed_cost(p, repeats, device, generator)
-    t_select = []
-    for n in SELECT_SIZES:
-        values = torch.randn(n, generator=generator).to(device)
-        k = math.ceil(SELECT_RATIO * n)
-        t_select.append(_median_time(lambda values=values, k=k: select(values, k, "auto"),
-                                     max(1, (repeats + 1) // 2), sync))
-
-    raw = torch.tensor([t_small - t_barrier, t_large - t_barrier, t_add, t_scatter, t_fixed, *t_select],
-                       dtype=torch.float64, device=device)
-    raw = rm.allreduce(raw, op=rm.Max, name=f"{prefix}.measurements", process_set=process_set)
-    t_small, t_large, t_add, t_scatter, t_fixed, *t_select = (float(x) for x in raw.cpu().tolist())
-    return _fit(p, t_small, t_large, t_add, t_scatter, t_select, sparse_fixed=t_fixed)
-
-
-def _sparse_fixed_cost(p: int, repeats: int, device, generator) -> float:
-    """Seconds to prepare and combine a small tensor's sparse message (no communication):
-    the Python work the sparse path does per tensor, however few entries it sends."""
-    from ringmaster.worker.compression.rgc import RGCCompressor
-
-    compressor = RGCCompressor(ratio=SELECT_RATIO, min_size=1)
-    grad = torch.randn(FIXED_COST_ELEMENTS, generator=generator).to(device)
-
-    def round_trip():
-        message = compressor.prepare("calibration", grad, p).message
-        compressor.combine("calibration", message.repeat(p), p)
-
-    return _median_time(round_trip, repeats, lambda: None)
+# The fit of the parameters to calibration's measurements
 
 
 def _fit(p: int, t_small: float, t_large: float, t_add: float, t_scatter: float, t_select,
@@ -428,35 +314,3 @@ def _fit(p: int, t_small: float, t_large: float, t_add: float, t_scatter: float,
         alpha = max((t_small - 2 * share * small_bytes * beta - share * gamma2) / steps, MIN_ALPHA)
     return CostModel(alpha=alpha, beta=beta, gamma1=gamma1, gamma2=gamma2,
                      select_s_per_element=select_per_element, size=p, sparse_fixed_s=max(sparse_fixed, 0.0))
-
-
-_cache: dict[tuple, CostModel] = {}
-_cache_lock = threading.Lock()
-
-
-def calibrated(process_set=None, device=None) -> CostModel:
-    """The job's :class:`CostModel` for ``process_set``: calibrated on the first call (a
-    collective then: every member rank must call it at the same point, see
-    :func:`calibrate`), cached afterwards. The first calibration is logged once at INFO on
-    ``ringmaster.compression`` by the set's rank 0."""
-    import ringmaster as rm
-
-    process_set = rm.global_process_set if process_set is None else process_set
-    key = (process_set.process_set_id, tuple(process_set.ranks), rm.size(),
-           str(torch.device("cpu") if device is None else torch.device(device)))
-    with _cache_lock:
-        model = _cache.get(key)
-        if model is None:
-            start = time.perf_counter()
-            model = calibrate(process_set, device=device)
-            _cache[key] = model
-            if process_set.rank() == 0:
-                logger.info("%s (calibrated in %.3f s)", model.describe(), time.perf_counter() - start)
-    return model
-
-
-def clear_cache() -> None:
-    """Forget cached models (e.g. after ``shutdown()`` and a new ``init()``); every rank
-    must do it together, or the next :func:`calibrated` runs its collectives on some only."""
-    with _cache_lock:
-        _cache.clear()

@@ -76,6 +76,7 @@ from fractions import Fraction
 
 import torch
 
+from ringmaster.worker.compression import cost_model
 from ringmaster.worker.compression import selection as sel
 
 __all__ = [
@@ -318,17 +319,16 @@ class _SparseCompressor:
         total.index_add_(0, indices, values)
         return total.div_(world_size).to(state.dtype).reshape(state.shape)
 
-    def setup(self, named_sizes, process_set) -> None:
+    def setup(self, named_sizes, process_set, calibrated) -> None:
         """Called by ``DistributedOptimizer`` on every rank when it is built, with
-        ``{name: numel}`` of the parameters. With ``mode="auto"`` this calibrates the job's
-        cost model (a collective: RedSync's T_sparse vs T_dense, ``worker/compression/cost_model.py``)
-        and decides per tensor, identically on every rank; the decisions are logged once at
-        INFO on ``ringmaster.compression`` by the set's rank 0."""
+        ``{name: numel}`` of the parameters and ``calibrated(process_set)``, which returns the
+        job's cost model (``frontend/calibration.py``; a collective the first time). With
+        ``mode="auto"`` this calibrates the model (RedSync's T_sparse vs T_dense,
+        ``cost_model.py``) and decides per tensor, identically on every rank; the decisions
+        are logged once at INFO on ``ringmaster.compression`` by the set's rank 0."""
         if self.mode != "auto":
             return
-        from ringmaster.worker.compression import cost_model
-
-        model = cost_model.calibrated(process_set)
+        model = calibrated(process_set)
         eligible = {name: numel for name, numel in named_sizes.items() if numel >= self.min_size}
         self.cost_model = model
         self._dense_by_model = frozenset(name for name, numel in eligible.items()

@@ -22,6 +22,7 @@ import torch
 
 from ringmaster.worker.compression.compressors import Compression, wire_format
 from ringmaster.worker.frontend import collectives
+from ringmaster.worker.frontend.calibration import calibrated
 from ringmaster.worker.frontend.sparse import sparse_allreduce_async
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.errors import RingmasterError
@@ -79,7 +80,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._sparsifier is not None and process_set.included() and process_set.size() > 1:
             setup = getattr(self._sparsifier, "setup", None)
             if callable(setup):  # e.g. rgc(mode="auto") calibrates its cost model: every rank, here
-                setup({self._parameter_names[p]: p.numel() for p in self._requires_update}, process_set)
+                setup({self._parameter_names[p]: p.numel() for p in self._requires_update}, process_set, calibrated)
         # Outside its process set a rank trains alone: nothing to reduce, as with one rank.
         if process_set.included() and process_set.size() > 1:
             hook = _weak_hook(self)
