@@ -44,22 +44,9 @@ in the gradient's shape and dtype: the average over ranks of what they sent. The
 writes it into ``p.grad`` and the user's optimizer steps; with ``momentum`` that optimizer
 must itself have momentum 0 (``RGCCompressor.check_optimizer``).
 
-Message format (one rank, one tensor; a 1-D ``torch.uint8`` tensor, little-endian)::
-
-    int32  count k'                       number of indices, 0 <= k' <= numel
-    int32  indices[k']                    ascending positions in the flattened tensor
-    dtype  values[k']                     the gradient's dtype (float16/bfloat16/32/64);
-                                          quantized: values[1] (the mean), or none if k' == 0
-
-Indices are int32, so sparse tensors must have fewer than ``2**31`` elements (larger ones
-are refused with a ``ValueError``; keep them dense with a larger ``min_size`` or split
-them). A gathered buffer is the concatenation of ``world_size`` messages in rank order; each
-is self-describing through its count (whether a message carries one value or ``k'`` is the
-compressor's ``quantize`` setting, the same on every rank).
-
-Precision: the residual ``V``, the momentum ``U`` and ``combine``'s accumulator are float64
-for float64 gradients and float32 otherwise (float16/bfloat16 residuals would stop absorbing
-small gradients once they grow). Messages carry values in the gradient's own dtype.
+The message of one rank for one tensor (its count, int32 indices and values) is defined in
+``rgc_messages.py``; what a compressor keeps per tensor, and its checkpoints, in
+``rgc_state.py``.
 
 ``TopKCompressor`` is the baseline without memory: the same selection, messages and
 ``combine``, but unselected entries are dropped.
@@ -78,6 +65,9 @@ import torch
 
 from ringmaster.worker.compression import cost_model
 from ringmaster.worker.compression import selection as sel
+from ringmaster.worker.compression.rgc_messages import MAX_SPARSE_NUMEL, decode, encode
+from ringmaster.worker.compression.rgc_state import (STATE_FORMAT, TensorState, accumulator, describe,
+                                                     state_from_dict, state_to_dict)
 
 __all__ = [
     "DEFAULT_MIN_SIZE",
@@ -97,12 +87,8 @@ __all__ = [
 DEFAULT_MIN_SIZE = 32768
 #: ``mode``: every large-enough tensor sparse, or as the calibrated cost model decides.
 MODES = ("sparse", "auto")
-#: int32 indices: sparse tensors must have fewer elements than this.
-MAX_SPARSE_NUMEL = 2**31
 
 _METHODS = ("auto", "exact", "trimmed", "threshold", "sampled")
-_COUNT = torch.int32
-_INDEX = torch.int32
 _SAMPLED_SEED = 0x5EED
 
 
@@ -120,157 +106,6 @@ class Plan:
     tensor: torch.Tensor | None = None
     message: torch.Tensor | None = None
     count: int = 0
-
-
-@dataclasses.dataclass
-class _TensorState:
-    """What a compressor keeps for one tensor name."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    numel: int
-    k: int
-    calls: int = 0
-    sparse_steps: int = 0
-    residual: torch.Tensor | None = None
-    momentum: torch.Tensor | None = None
-    # One per sign: quantized steps alternate signs, whose thresholds differ.
-    thresholds: tuple[sel.ThresholdState, sel.ThresholdState] = dataclasses.field(
-        default_factory=lambda: (sel.ThresholdState(), sel.ThresholdState()))
-
-
-# ---------------------------------------------------------------------------------------
-# Checkpoints (state_dict / load_state_dict)
-
-#: Tag of a compressor's state_dict, so that another kind of dict is refused by name.
-_STATE_FORMAT = "ringmaster.sparse_compressor.v1"
-_THRESHOLD_FIELDS = tuple(field.name for field in dataclasses.fields(sel.ThresholdState))
-
-
-def _state_to_dict(state: _TensorState) -> dict:
-    """One tensor's state as plain values and tensors (``torch.load(weights_only=True)`` reads it)."""
-    return {"shape": list(state.shape), "dtype": str(state.dtype).removeprefix("torch."), "device": str(state.device),
-            "calls": state.calls, "sparse_steps": state.sparse_steps,
-            "residual": None if state.residual is None else state.residual.clone(),
-            "momentum": None if state.momentum is None else state.momentum.clone(),
-            "thresholds": [dataclasses.asdict(threshold) for threshold in state.thresholds]}
-
-
-def _state_from_dict(name: str, entry, k_of) -> _TensorState:
-    """The state ``_state_to_dict`` wrote for tensor ``name``; ``k_of(numel)`` gives its k."""
-    def bad(field, expected):
-        value = entry.get(field, "nothing") if isinstance(entry, dict) else entry
-        return ValueError(f"state of {name!r} in load_state_dict: {field} must be {expected}, got "
-                          f"{_describe(value)}; pass what state_dict() returned")
-
-    if not isinstance(entry, dict):
-        raise bad("the entry", "a dict")
-    shape = entry.get("shape")
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(n, int) and n >= 0 for n in shape):
-        raise bad("shape", "a list of sizes")
-    dtype = getattr(torch, str(entry.get("dtype")), None)
-    if not isinstance(dtype, torch.dtype):
-        raise bad("dtype", "the name of a torch dtype")
-    try:
-        device = torch.device(entry.get("device"))
-    except (TypeError, RuntimeError):
-        raise bad("device", "a device name") from None
-    counts = {field: entry.get(field) for field in ("calls", "sparse_steps")}
-    for field, value in counts.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise bad(field, "an integer >= 0")
-    numel = math.prod(shape)
-    buffers = {}
-    for field in ("residual", "momentum"):
-        value = entry.get(field)
-        if value is not None and (not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() != numel
-                                  or value.dtype != _accumulator(dtype)):
-            raise bad(field, f"None or a 1-D {_accumulator(dtype)} tensor of {numel} elements")
-        buffers[field] = None if value is None else value.to(device, copy=True)
-    thresholds = entry.get("thresholds")
-    if not isinstance(thresholds, (list, tuple)) or len(thresholds) != 2 or not all(
-            isinstance(t, dict) and set(t) == set(_THRESHOLD_FIELDS) for t in thresholds):
-        raise bad("thresholds", f"two dicts of {', '.join(_THRESHOLD_FIELDS)}")
-    return _TensorState(shape=torch.Size(shape), dtype=dtype, device=device, numel=numel, k=k_of(numel),
-                        calls=counts["calls"], sparse_steps=counts["sparse_steps"], residual=buffers["residual"],
-                        momentum=buffers["momentum"],
-                        thresholds=tuple(sel.ThresholdState(**threshold) for threshold in thresholds))
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return f"{type(value).__name__} {value!r}"[:120]
-
-
-# ---------------------------------------------------------------------------------------
-# Message format
-
-
-def encode(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One message: int32 ``len(indices)``, the indices as int32, then ``values`` (their own
-    dtype; ``len(indices)`` values, or one for a quantized message, or none). Returns a 1-D
-    ``torch.uint8`` tensor on the indices' device."""
-    count = torch.tensor([indices.numel()], dtype=_COUNT, device=indices.device)
-    parts = [count, indices.to(_INDEX), values.reshape(-1).contiguous()]
-    return torch.cat([part.view(torch.uint8) for part in parts])
-
-
-def decode(buffer: torch.Tensor, messages: int, dtype: torch.dtype, *, quantized: bool = False,
-           numel: int | None = None, name: str = "tensor") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Split a concatenation of ``messages`` messages into ``(indices, values)`` pairs.
-
-    ``indices`` are int64; ``values`` have ``dtype`` and one entry per index (a quantized
-    message's single value is repeated). Raises ``RuntimeError`` naming ``name`` if the
-    buffer does not parse to exactly ``messages`` messages, or (given ``numel``) if a count
-    or an index is out of range.
-    """
-    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
-        what = f"{buffer.dtype} tensor of shape {tuple(buffer.shape)}" if isinstance(buffer, torch.Tensor) \
-            else type(buffer).__name__
-        raise TypeError(f"the gathered messages of {name!r} must be a 1-D torch.uint8 tensor, got {what}")
-    value_size = torch.empty(0, dtype=dtype).element_size()
-    parts, offset, total = [], 0, buffer.numel()
-    for rank in range(messages):
-        count = _read_count(buffer, offset, rank, messages, name, numel)
-        offset += 4
-        carried = min(count, 1) if quantized else count
-        end = offset + 4 * count + value_size * carried
-        if end > total:
-            raise RuntimeError(f"gathered messages of {name!r}: message {rank} of {messages} announces {count} "
-                               f"indices but the buffer ends after {total - offset} more bytes (expected "
-                               f"{end - offset}); every rank must send its plan.message for this tensor")
-        indices = _view(buffer, offset, count, _INDEX).long()
-        values = _view(buffer, offset + 4 * count, carried, dtype)
-        parts.append((indices, values.expand(count) if quantized else values))
-        offset = end
-    if offset != total:
-        raise RuntimeError(f"gathered messages of {name!r}: {total - offset} bytes left over after {messages} "
-                           f"messages ({total} bytes in all); the buffer must be the concatenation of exactly "
-                           f"world_size={messages} messages")
-    return parts
-
-
-def _read_count(buffer, offset, rank, messages, name, numel) -> int:
-    if offset + 4 > buffer.numel():
-        raise RuntimeError(f"gathered messages of {name!r}: the buffer ({buffer.numel()} bytes) ends before "
-                           f"message {rank} of world_size={messages}; every rank must contribute one message")
-    count = int(_view(buffer, offset, 1, _COUNT)[0])
-    if count < 0 or (numel is not None and count > numel):
-        raise RuntimeError(f"gathered messages of {name!r}: message {rank} announces {count} indices for a "
-                           f"tensor of {numel} elements; the buffer is corrupt or not from this tensor")
-    return count
-
-
-def _view(buffer: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """``count`` elements of ``dtype`` stored at byte ``offset``, copied when misaligned
-    (a message after one with 16-bit values may start on any even byte)."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    chunk = buffer[offset:offset + count * size]
-    if chunk.storage_offset() % size:
-        chunk = chunk.clone()
-    return chunk.view(dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,7 +132,7 @@ class _SparseCompressor:
         #: tensors it sends dense although they reach ``min_size``.
         self.cost_model = None
         self._dense_by_model: frozenset = frozenset()
-        self._states: dict[str, _TensorState] = {}
+        self._states: dict[str, TensorState] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def combine(self, name: str, gathered: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -311,7 +146,7 @@ class _SparseCompressor:
         world_size = _check_world_size(world_size)
         parts = decode(gathered, world_size, state.dtype, quantized=self.quantize, numel=state.numel, name=name)
         indices = torch.cat([i for i, _ in parts]).to(state.device)
-        values = torch.cat([v for _, v in parts]).to(device=state.device, dtype=_accumulator(state.dtype))
+        values = torch.cat([v for _, v in parts]).to(device=state.device, dtype=accumulator(state.dtype))
         if indices.numel() and not bool(((indices >= 0) & (indices < state.numel)).all()):
             raise RuntimeError(f"gathered messages of {name!r} hold indices outside [0, {state.numel}); the buffer "
                                f"is corrupt or from another tensor")
@@ -357,8 +192,8 @@ class _SparseCompressor:
             ...
             compression.load_state_dict(torch.load(f"rgc-rank{rm.rank()}.pt"))
         """
-        return {"format": _STATE_FORMAT, "tensors": {name: _state_to_dict(state)
-                                                      for name, state in self._states.items()}}
+        return {"format": STATE_FORMAT, "tensors": {name: state_to_dict(state)
+                                                     for name, state in self._states.items()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Replace all per-tensor state by what :meth:`state_dict` returned (on this rank, before).
@@ -366,21 +201,21 @@ class _SparseCompressor:
         ``k`` follows this compressor's ``ratio``. Raises ``ValueError`` naming the tensor and
         the field when ``state_dict`` is not such a state.
         """
-        if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT or \
+        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT or \
                 not isinstance(state_dict.get("tensors"), dict):
             raise ValueError(f"load_state_dict expects what state_dict() of a compressor returned (a dict with "
-                             f"format={_STATE_FORMAT!r} and 'tensors'), got {_describe(state_dict)}")
-        self._states = {name: _state_from_dict(name, entry, self._k)
+                             f"format={STATE_FORMAT!r} and 'tensors'), got {describe(state_dict)}")
+        self._states = {name: state_from_dict(name, entry, self._k)
                         for name, entry in state_dict["tensors"].items()}
 
     # -- helpers for subclasses ---------------------------------------------------------
 
-    def _state(self, name: str, grad: torch.Tensor) -> _TensorState:
+    def _state(self, name: str, grad: torch.Tensor) -> TensorState:
         _check_grad(name, grad)
         state = self._states.get(name)
         if state is None:
             numel = grad.numel()
-            state = _TensorState(grad.shape, grad.dtype, grad.device, numel, self._k(numel))
+            state = TensorState(grad.shape, grad.dtype, grad.device, numel, self._k(numel))
             self._states[name] = state
         elif grad.shape != state.shape or grad.device != state.device:
             raise ValueError(f"gradient of {name!r} changed from shape {tuple(state.shape)} on {state.device} to "
@@ -389,7 +224,7 @@ class _SparseCompressor:
         state.dtype = grad.dtype
         return state
 
-    def _sparse_allowed(self, name: str, state: _TensorState) -> None:
+    def _sparse_allowed(self, name: str, state: TensorState) -> None:
         if state.numel >= MAX_SPARSE_NUMEL:
             raise ValueError(f"gradient of {name!r} has {state.numel} elements; sparse messages carry int32 indices "
                              f"(fewer than 2**31 elements); keep it dense with min_size > {state.numel} or split "
@@ -471,7 +306,7 @@ class RGCCompressor(_SparseCompressor):
         float64 gradients); zeros before its first sparse step."""
         state = self._known(name)
         if state.residual is None:
-            return torch.zeros(state.shape, dtype=_accumulator(state.dtype), device=state.device)
+            return torch.zeros(state.shape, dtype=accumulator(state.dtype), device=state.device)
         return state.residual.clone().reshape(state.shape)
 
     def momentum_buffer(self, name: str) -> torch.Tensor | None:
@@ -485,15 +320,15 @@ class RGCCompressor(_SparseCompressor):
         ``optimizer`` has momentum too (see ``check_optimizer``)."""
         check_optimizer(optimizer, self.momentum)
 
-    def _known(self, name: str) -> _TensorState:
+    def _known(self, name: str) -> TensorState:
         if name not in self._states:
             raise KeyError(f"no tensor named {name!r} has been prepared")
         return self._states[name]
 
-    def _update(self, state: _TensorState, grad: torch.Tensor, world_size: int) -> torch.Tensor:
+    def _update(self, state: TensorState, grad: torch.Tensor, world_size: int) -> torch.Tensor:
         """``G'`` (clipped) or, with momentum, the momentum-corrected update; 1-D, in the
         accumulation dtype. Never ``grad`` modified in place."""
-        update = grad.reshape(-1).to(_accumulator(grad.dtype))
+        update = grad.reshape(-1).to(accumulator(grad.dtype))
         if self.clip_norm is not None:
             update = _clip(update, self.clip_norm / math.sqrt(world_size))
         if self.momentum is None:
@@ -503,7 +338,7 @@ class RGCCompressor(_SparseCompressor):
         state.momentum.mul_(self.momentum).add_(update)
         return update + self.momentum * state.momentum if self.nesterov else state.momentum
 
-    def _sparse_step(self, name: str, state: _TensorState, update: torch.Tensor) -> Plan:
+    def _sparse_step(self, name: str, state: TensorState, update: torch.Tensor) -> Plan:
         if state.residual is None:
             state.residual = torch.zeros_like(update)
         residual = state.residual.add_(update)
@@ -516,7 +351,7 @@ class RGCCompressor(_SparseCompressor):
         self._leave_residual(state, indices, sent)
         return Plan(dense=False, message=encode(indices, sent), count=indices.numel())
 
-    def _select_quantized(self, name: str, state: _TensorState, residual: torch.Tensor):
+    def _select_quantized(self, name: str, state: TensorState, residual: torch.Tensor):
         """The ``k`` (to ``2k``) largest entries of this step's sign and their mean (one value
         in the gradient's dtype; none if no entry has that sign)."""
         sign = 1.0 if state.sparse_steps % 2 == 0 else -1.0
@@ -529,7 +364,7 @@ class RGCCompressor(_SparseCompressor):
         mean = residual.index_select(0, indices).mean()
         return indices, mean.reshape(1).to(state.dtype)
 
-    def _leave_residual(self, state: _TensorState, indices: torch.Tensor, sent: torch.Tensor) -> None:
+    def _leave_residual(self, state: TensorState, indices: torch.Tensor, sent: torch.Tensor) -> None:
         """``V[sel] -= sent`` (zero unless rounded or quantized) and ``U[sel] = 0``."""
         residual = state.residual
         kept = residual.index_select(0, indices) - sent.to(residual.dtype).expand(indices.numel())
@@ -585,10 +420,6 @@ def check_optimizer(optimizer, momentum: float | None) -> None:
 # Helpers
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _clip(update: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``update`` scaled by ``min(1, max_norm / ||update||)`` (no host sync)."""
     scale = (max_norm / torch.linalg.vector_norm(update)).clamp_(max=1.0)
@@ -597,7 +428,7 @@ def _clip(update: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def _require_finite(name: str, grad: torch.Tensor) -> None:
     """``ValueError`` naming ``name`` if ``grad`` holds NaN or infinity (a cheap sum first)."""
-    if grad.numel() == 0 or math.isfinite(float(grad.sum(dtype=_accumulator(grad.dtype)))):
+    if grad.numel() == 0 or math.isfinite(float(grad.sum(dtype=accumulator(grad.dtype)))):
         return
     if not bool(torch.isfinite(grad).all()):
         raise ValueError(f"gradient of {name!r} contains NaN or infinity; residual gradient compression needs "
