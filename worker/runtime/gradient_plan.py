@@ -34,6 +34,12 @@ What the negotiation did is done otherwise:
   (:meth:`GradientPlan.wait_state`), and the coordinator names the members that are not in
   it (``ringmaster.coordinator.plan_stalls``), with the same warning and shutdown limits as
   any stalled tensor.
+
+Why this module is in the runtime room: ``DistributedOptimizer`` (the frontend) builds the
+plan and hands it gradients, but its code runs where the runtime's collectives run — on the
+background thread (:meth:`GradientPlan.run`, :meth:`GradientPlan.attach`), on the plan's own
+thread, and, for the buckets not started yet, in ``step()`` under the same ordering rules —
+and the executor imports it; it imports nothing of the frontend.
 """
 
 from __future__ import annotations

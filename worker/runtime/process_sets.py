@@ -19,6 +19,11 @@ rank frees a communicator that a queued collective still needs.
 
 ``join()`` stays global, as in Horovod: a joined rank stands in for the global set's
 collectives only; a set's collective still waits for every member.
+
+Why this module is in the runtime room, although its names are part of the public API
+(``ringmaster.worker`` re-exports them): the sets are the runtime's registry — ``init()``
+fills in the global set, ``shutdown()`` invalidates the others, the background thread
+splits and frees their communicators — and every collective of the frontend takes one.
 """
 
 from __future__ import annotations
