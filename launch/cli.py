@@ -184,6 +184,8 @@ class JobPlan:
     hostfile_text: Optional[str]
     verbose: bool
     hosts_origin: Optional[str] = None
+    #: said on stderr before the job starts, verbose or not (e.g. "inside an srun step: ...")
+    notes: Sequence[str] = ()
 
 
 def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
@@ -234,6 +236,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         spec=spec, mpi=mpi, output_dir=_output_dir(args.output_filename),
         hostfile_text=hostfile_text(mpi.kind, hosts) if args.hostfile is not None else None,
         verbose=args.verbose, hosts_origin=allocation.describe() if allocation is not None else None,
+        notes=[note] if allocation is not None and (note := allocation.step_note()) else [],
     )
 
 
@@ -264,6 +267,8 @@ def run_job(plan: JobPlan) -> int:
             with open(plan.spec.hostfile, "w", encoding="utf-8") as handle:
                 handle.write(plan.hostfile_text)
         command = build_command(plan.mpi, plan.spec)
+        for note in plan.notes:
+            print(f"{PROG}: {note}", file=sys.stderr)
         if plan.verbose and plan.hosts_origin is not None:
             hosts = ",".join(str(host) for host in plan.spec.hosts)
             print(f"{PROG}: hosts {hosts} from {plan.hosts_origin}", file=sys.stderr)

@@ -11,6 +11,7 @@ import threading
 from typing import List, Optional
 
 from ringmaster.common.config import Config, load_config
+from ringmaster.common.launchers import lone_task_problem
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker import timeline
@@ -183,6 +184,9 @@ def init(comm=None) -> None:
             comm = MPI.COMM_WORLD
         elif not isinstance(comm, MPI.Comm):
             raise TypeError(f"init(comm=...) takes an mpi4py communicator, got {type(comm).__name__}")
+        lone = lone_task_problem(os.environ, MPI.COMM_WORLD.Get_size())
+        if lone is not None:
+            raise RingmasterError(f"ringmaster.init() on {socket.gethostname()} (pid {os.getpid()}): {lone}")
         if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
             raise RingmasterError("MPI was initialized without thread support; ringmaster runs collectives "
                                   "on a background thread: initialize MPI with MPI_THREAD_MULTIPLE "
