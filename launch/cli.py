@@ -199,7 +199,13 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
     hosts = resolve_hosts(args.hosts, args.hostfile, allocation)
     num_proc = args.num_proc if args.num_proc is not None else _default_num_proc(hosts, allocation,
                                                                                   explicit_hosts)
-    check_slots(num_proc, hosts, args.oversubscribe, allocation)
+    notes = []
+    oversubscribe = args.oversubscribe
+    if not explicit_hosts and allocation is None and num_proc > total_slots(hosts) and not oversubscribe:
+        # As `horovodrun -np N`: with no host list, N ranks run on this machine, however many cores.
+        oversubscribe = True
+        notes.append(f"{num_proc} ranks on this machine's {total_slots(hosts)} core(s): ranks share cores")
+    check_slots(num_proc, hosts, oversubscribe, allocation)
     check_command(args.command, local_only=all_local(hosts))
     if args.ssh_identity_file is not None and not os.path.isfile(args.ssh_identity_file):
         raise LaunchError(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
@@ -223,7 +229,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         num_proc=num_proc, hosts=hosts, command=args.command,
         # the names only: the values (address, secret) exist once the coordinator runs
         export_names=exported_names(job_environment(base_env, "", "")),
-        oversubscribe=args.oversubscribe, network_interface=args.network_interface,
+        oversubscribe=oversubscribe, network_interface=args.network_interface,
         ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
         # a remote host whose sshd hangs must fail the launch within the start timeout
         ssh_connect_timeout=None if all_local(hosts) else config.start_timeout_s,
@@ -236,7 +242,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         spec=spec, mpi=mpi, output_dir=_output_dir(args.output_filename),
         hostfile_text=hostfile_text(mpi.kind, hosts) if args.hostfile is not None else None,
         verbose=args.verbose, hosts_origin=allocation.describe() if allocation is not None else None,
-        notes=[note] if allocation is not None and (note := allocation.step_note()) else [],
+        notes=notes + ([note] if allocation is not None and (note := allocation.step_note()) else []),
     )
 
 
