@@ -22,6 +22,7 @@ import torch
 
 from ringmaster.worker import collectives
 from ringmaster.worker.compression import Compression, wire_format
+from ringmaster.worker.differentiable import allreduce
 from ringmaster.worker.errors import RingmasterError
 from ringmaster.worker.gradient_plan import GradientPlan
 from ringmaster.worker.process_sets import ProcessSet, global_process_set
@@ -141,8 +142,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         plan = GradientPlan(order, [_NAME_PREFIX + self._parameter_names[p] for p in order], prescale, postscale,
                             self._process_set.process_set_id)
         # Sum of ones: a rank that has joined adds zero, and then no plan is used.
-        votes = collectives.allreduce(torch.tensor([1 if fits else 0], dtype=torch.int32), op=collectives.Sum,
-                                      name=plan.request_name + ".agree", process_set=self._process_set)
+        votes = allreduce(torch.tensor([1 if fits else 0], dtype=torch.int32), op=collectives.Sum,
+                          name=plan.request_name + ".agree", process_set=self._process_set)
         if int(votes.item()) == self._process_set.size():
             self._plan_runtime = runtime()
             self._plan_runtime.executor.register_plan(self._process_set.process_set_id, plan)

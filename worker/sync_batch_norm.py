@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ringmaster.worker.collectives import Sum, allgather, allreduce
+from ringmaster.worker.collectives import Sum
+from ringmaster.worker.differentiable import allgather, allreduce
 from ringmaster.worker.topology import size
 
 
