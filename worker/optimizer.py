@@ -347,6 +347,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    def local_step(self, closure=None):
+        """The wrapped optimizer's own step on the gradients as they are, reducing nothing
+        (``broadcast_optimizer_state`` uses it to create a fresh optimizer's state)."""
+        return super(self._ringmaster_base, self).step(closure)
+
     def step(self, closure=None):
         """Wait for the averaged gradients (unless in ``skip_synchronize()``), then step.
 
