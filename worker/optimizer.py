@@ -227,12 +227,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad = grad.to_dense()
         if self._sparsifier is not None:
             return self._sparsify_async(p, name, grad)
-        compressed, ctx = self._compression.compress(grad)
+        compressed, ctx = self._compress(grad)
         prescale, postscale = self._scaling()
         handle = collectives._grouped_allreduce(
             [compressed], None, name, self._op, prescale, postscale, True, "DistributedOptimizer", single=True,
             process_set=self._process_set, wire_format=wire_format(self._compression, compressed))
         return handle, ctx, compressed
+
+    def _compress(self, grad: torch.Tensor):
+        """``(tensor to allreduce, ctx)``: an 8-bit wire format hands the gradient over as it is
+        (the ring encodes every step); other compressors compress it."""
+        if wire_format(self._compression, grad):
+            return grad, None
+        return self._compression.compress(grad)
 
     def _sparsify_async(self, p: torch.Tensor, name: str, grad: torch.Tensor):
         """rgc/topk: allreduce the tensor the compressor keeps dense, or allgather its sparse message."""
@@ -256,7 +263,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"parameter '{self._parameter_names[p]}' has a sparse gradient and cannot "
                                      f"be in a group; leave it out of groups= or pass sparse_as_dense=True")
                 grad = grad.to_dense()
-            compressed, ctx = self._compression.compress(grad)
+            compressed, ctx = self._compress(grad)
             grads.append(compressed)
             contexts.append(ctx)
         prescale, postscale = self._scaling()
