@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--stall-warning-s", type=_number(float, 0, False), metavar="S",
                         help="warn about tensors some ranks have not declared after S seconds (default 60)")
     tuning.add_argument("--stall-shutdown-s", type=_number(float, 0, True), metavar="S",
-                        help="abort the job after a stall of S seconds (default 0: never)")
+                        help="abort the job after a stall of S seconds (default 1800; 0: never)")
     tuning.add_argument("--allreduce", choices=("auto", "ring", "mpi"),
                         help="allreduce algorithm (default auto)")
     tuning.add_argument("--heartbeat-interval-s", type=_number(float, 0, False), metavar="S",
