@@ -156,12 +156,15 @@ _unhandled_exception = False
 _exit_hooks_installed = False
 
 
-def init(comm=None) -> None:
+def init(comm=None, process_sets=None) -> None:
     """Start ringmaster in this process: join the job, reach the coordinator, start the background thread.
 
     Args:
         comm: an mpi4py communicator to run on (default ``MPI.COMM_WORLD``); it is duplicated,
             so the caller's own MPI traffic never mixes with ringmaster's.
+        process_sets: as in Horovod, process sets (``ProcessSet`` or lists of ranks) to
+            register right after joining, in this order on every rank; ``"dynamic"`` is
+            accepted and changes nothing (sets may be added and removed at any time).
 
     Calling it again while initialized does nothing; after :func:`shutdown` it starts anew.
     """
@@ -194,6 +197,15 @@ def init(comm=None) -> None:
         _runtime = Runtime(comm.Dup(), config)
         _install_exit_hooks()
         install_dump_signal()  # kill -USR1 prints where each thread of a rank is
+    if process_sets is not None and process_sets != "dynamic":
+        from ringmaster.worker.process_sets import add_process_set  # it imports this module
+
+        try:
+            for process_set in process_sets:
+                add_process_set(process_set)
+        except Exception:
+            shutdown()  # init() either succeeds or leaves nothing running
+            raise
     if config.timeline and ("{rank}" in config.timeline or _runtime.rank == 0):
         try:
             timeline.start_timeline(config.timeline.replace("{rank}", str(_runtime.rank)))
