@@ -354,6 +354,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """As Horovod's: accumulate ``passes`` backward passes locally before each allreduce,
+        from the next ``synchronize()`` on."""
+        if not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive int, got {passes!r}")
+        self.backward_passes_per_step = passes
+
     def local_step(self, closure=None):
         """The wrapped optimizer's own step on the gradients as they are, reducing nothing
         (``broadcast_optimizer_state`` uses it to create a fresh optimizer's state)."""
@@ -420,7 +427,7 @@ def _remove_hooks(handles) -> None:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=collectives.Average, gradient_predivide_factor: float = 1.0,
-                         groups=None, sparse_as_dense: bool = False,
+                         num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set):
     """Wrap ``optimizer`` so that ``step()`` uses gradients reduced over all ranks.
 
@@ -436,6 +443,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         op: ``Average`` (default), ``Sum`` or ``Adasum`` (not supported).
         gradient_predivide_factor: with ``Average``, divide gradients by this factor before
             the sum and by ``size / factor`` after it.
+        num_groups: Horovod's older spelling of an integer ``groups`` (used when ``groups`` is None).
         groups: an integer (split the parameters into that many fused groups) or a list of
             lists of parameters; each group is reduced as one grouped allreduce once all its
             gradients are ready.
@@ -447,6 +455,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, "_ringmaster_base"):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original once")
+    if num_groups:
+        if groups is not None:
+            raise ValueError("DistributedOptimizer: give groups= or the older num_groups=, not both")
+        groups = num_groups
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
     if op == collectives.Adasum:

@@ -228,6 +228,16 @@ refuses("not pairs", lambda: rm.DistributedOptimizer(sgd(), named_parameters=lis
 refuses("backward_passes_per_step=0", lambda: rm.DistributedOptimizer(sgd(), backward_passes_per_step=0),
         ValueError, ["backward_passes_per_step"])
 refuses("groups=0", lambda: rm.DistributedOptimizer(sgd(), groups=0), ValueError, ["groups"])
+refuses("groups and num_groups", lambda: rm.DistributedOptimizer(sgd(), num_groups=2, groups=2), ValueError,
+        ["num_groups", "not both"])
+# Horovod's positional order: ..., gradient_predivide_factor, num_groups, groups, sparse_as_dense
+positional = rm.DistributedOptimizer(sgd(), None, rm.Compression.none, 1, rm.Average, 1.0, 2, None, True)
+report("num_groups positional as in Horovod", len(positional._groups) == 2 and positional._sparse_as_dense,
+       f"{len(positional._groups)} groups")
+positional.set_backward_passes_per_step(3)
+report("set_backward_passes_per_step", positional.backward_passes_per_step == 3)
+refuses("set_backward_passes_per_step(0)", lambda: positional.set_backward_passes_per_step(0), ValueError,
+        ["backward_passes_per_step"])
 refuses("a parameter in two groups", lambda: rm.DistributedOptimizer(
     sgd(), groups=[[params["0.weight"]], [params["0.weight"]]]), ValueError, ["more than one group"])
 refuses("Adasum", lambda: rm.DistributedOptimizer(sgd(), op=rm.Adasum), NotImplementedError, ["Adasum"])
