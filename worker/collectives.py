@@ -322,7 +322,12 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
                              f"among {among}; pass splits=")
         split_list = [tensor.shape[0] // size] * size
     else:
-        split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+        if (isinstance(splits, torch.Tensor) and (splits.is_floating_point() or splits.is_complex())) or \
+                any(isinstance(s, float) and not s.is_integer() for s in values):
+            raise ValueError(f"alltoall: splits must be integers (a list of ints or an integer tensor), got "
+                             f"{splits.dtype if isinstance(splits, torch.Tensor) else values}")
+        split_list = [int(s) for s in values]
         if len(split_list) != size or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
             raise ValueError(f"alltoall: splits={split_list} must have one non-negative entry per rank "
                              f"({among}) summing to the first dimension ({tensor.shape[0]})")
