@@ -16,6 +16,8 @@ The backward rules checked (Horovod's, see ``worker/differentiable.py``), for a 
 * the grouped forms: the same per tensor
 
 Sections (``sys.argv[1:]``, default all): ``gradients``, ``graph``, ``integers``, ``model``.
+Each case name starts with its section (``FAIL gradients: ...``), and each section ends with
+``CASES <section> <count>`` on every rank.
 Each collective runs in the global set, and in the set of even ranks or of odd ranks (at
 2 ranks, sets of one rank), whichever this rank belongs to.
 """
@@ -32,7 +34,18 @@ from job_report import Tally
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()
-tally = Tally(RANK)
+
+
+class SectionTally(Tally):
+    """A Tally whose case names start with the section being run."""
+
+    section = ""
+
+    def report(self, case: str, ok: bool, detail: str = "") -> None:
+        super().report(f"{self.section}: {case}", ok, detail)
+
+
+tally = SectionTally(RANK)
 SECTIONS = sys.argv[1:] or ["gradients", "graph", "integers", "model"]
 
 EVEN = rm.add_process_set(list(range(0, SIZE, 2)))
@@ -306,6 +319,89 @@ def chain_case(set_name, ps, members, dtype):
     check(f"{case}: grad", x.grad, sum(grads_of_hidden) / n, dtype)
 
 
+def extra_cases(set_name, ps, members):
+    """A 0-d allgather, a non-contiguous input, average=, Compression.fp16, grouped calls whose loss
+    uses one result only, splits as a tensor."""
+    n, me = len(members), members.index(RANK)
+    case = f"allgather 0-d set={set_name}"
+    xs = {r: normal((), torch.float64, case, "x", r) for r in members}
+    x = leaf(xs[RANK])
+    result = rm.allgather(x, process_set=ps)
+    check(f"{case}: result", result, np.array([xs[r] for r in members]), torch.float64)
+    upstream(result, case).backward()
+    total = sum(f64(w) for w in weights_of(members, {r: (n,) for r in members}, torch.float64, case).values())
+    check(f"{case}: grad", x.grad, total[me], torch.float64)
+
+    case = f"allreduce non-contiguous input set={set_name}"
+    xs = {r: normal((3, 4), torch.float64, case, "x", r) for r in members}
+    x = leaf(xs[RANK])
+    result = rm.allreduce(x.t(), op=rm.Sum, process_set=ps)
+    check(f"{case}: result", result, reduce_np([a.T for a in xs.values()], "Sum"), torch.float64)
+    upstream(result, case).backward()
+    ws = weights_of(members, {r: (4, 3) for r in members}, torch.float64, case)
+    check(f"{case}: grad", x.grad, reduce_np(ws.values(), "Sum").T, torch.float64)
+
+    for average in (True, False):
+        case = f"allreduce average={average} set={set_name}"
+        xs = {r: normal((5,), torch.float32, case, "x", r) for r in members}
+        x = leaf(xs[RANK])
+        result = rm.allreduce(x, average=average, process_set=ps)
+        op_name = "Average" if average else "Sum"
+        check(f"{case}: result", result, reduce_np(xs.values(), op_name), torch.float32)
+        upstream(result, case).backward()
+        ws = weights_of(members, {r: (5,) for r in members}, torch.float32, case)
+        check(f"{case}: grad", x.grad, reduce_np(ws.values(), op_name), torch.float32)
+
+    case = f"allreduce Compression.fp16 set={set_name}"
+    xs = {r: normal((6,), torch.float32, case, "x", r) for r in members}
+    x = leaf(xs[RANK])
+    result = rm.allreduce(x, op=rm.Sum, compression=rm.Compression.fp16, process_set=ps)
+    tally.report(f"{case}: result dtype", result.dtype == torch.float32, str(result.dtype))
+    expected = reduce_np([a.astype(np.float16) for a in xs.values()], "Sum")
+    tally.report(f"{case}: result", np.allclose(result.detach().double().numpy(), expected, rtol=1e-2, atol=2e-2))
+    upstream(result, case).backward()
+    ws = weights_of(members, {r: (6,) for r in members}, torch.float32, case)
+    got = x.grad.double().numpy() if x.grad is not None else None
+    tally.report(f"{case}: grad", got is not None and np.allclose(got, reduce_np(ws.values(), "Sum"), rtol=1e-2,
+                                                                  atol=2e-2), f"got {got}")
+
+    # grouped calls where the loss uses one result only, and one input does not require grad
+    case = f"grouped_allreduce one result used set={set_name}"
+    xs = [{r: normal((4,), torch.float64, case, "x", i, r) for r in members} for i in range(3)]
+    inputs = [leaf(xs[0][RANK]), torch.from_numpy(xs[1][RANK]), leaf(xs[2][RANK])]
+    results = rm.grouped_allreduce(inputs, op=rm.Sum, process_set=ps)
+    upstream(results[0], case).backward()
+    ws = weights_of(members, {r: (4,) for r in members}, torch.float64, case)
+    check(f"{case}: grad of the used one", inputs[0].grad, reduce_np(ws.values(), "Sum"), torch.float64)
+    check(f"{case}: grad of the unused one", inputs[2].grad, np.zeros(4), torch.float64)
+    tally.report(f"{case}: no grad without requires_grad", inputs[1].grad is None)
+
+    case = f"grouped_allgather one result used set={set_name}"
+    rows = {r: gather_rows(members.index(r)) for r in members}
+    xs = [{r: normal((rows[r], 2), torch.float64, case, "x", i, r) for r in members} for i in range(2)]
+    inputs = [leaf(xs[0][RANK]), leaf(xs[1][RANK])]
+    results = rm.grouped_allgather(inputs, process_set=ps)
+    upstream(results[1], case).backward()
+    total = sum(f64(w) for w in weights_of(members, {r: results[1].shape for r in members}, torch.float64,
+                                           case).values())
+    start = offsets([rows[r] for r in members])[me]
+    check(f"{case}: grad of the used one", inputs[1].grad, total[start:start + rows[RANK]], torch.float64)
+    check(f"{case}: grad of the unused one", inputs[0].grad, np.zeros((rows[RANK], 2)), torch.float64)
+
+    case = f"alltoall splits as a tensor set={set_name}"
+    splits = [alltoall_splits(i, n) for i in range(n)]
+    xs = [normal((sum(splits[i]), 2), torch.float64, case, "x", members[i]) for i in range(n)]
+    x = leaf(xs[me])
+    result, received = rm.alltoall(x, splits=torch.tensor(splits[me]), process_set=ps)
+    sent = [offsets(s) for s in splits]
+    check(f"{case}: result", result, np.concatenate([xs[i][sent[i][me]:sent[i][me + 1]] for i in range(n)]),
+          torch.float64)
+    upstream(result, case).backward()
+    ws = [normal((sum(splits[i][j] for i in range(n)), 2), torch.float64, case, "W", members[j]) for j in range(n)]
+    back = [ws[j][sum(splits[i][j] for i in range(me)):][:splits[me][j]] for j in range(n)]
+    check(f"{case}: grad", x.grad, np.concatenate(back), torch.float64)
+
+
 def gradients():
     for set_name, ps, members in MY_SETS:
         n = len(members)
@@ -339,6 +435,7 @@ def gradients():
                 run(f"allreduce float16 {op_name} {dims} {set_name}",
                     lambda: allreduce_case(set_name, ps, members, torch.float16, dims, op_name, pre, post))
         run(f"allgather float16 {set_name}", lambda: allgather_case(set_name, ps, members, torch.float16, "2d"))
+        run(f"extras {set_name}", lambda: extra_cases(set_name, ps, members))
         for op_name in ("Min", "Max"):
             run(f"allreduce {op_name} {set_name}",
                 lambda: allreduce_case(set_name, ps, members, torch.float32, "2d", op_name, 1.0, 1.0))
@@ -605,7 +702,11 @@ def model():
 # ===================================================================== main
 started = time.monotonic()
 for section in SECTIONS:
+    tally.section = section
+    before = tally.cases
     {"gradients": gradients, "graph": graph, "integers": integers_section, "model": model}[section]()
+    print(f"CASES {section} {tally.cases - before}", flush=True)
+tally.section = "end"
 rm.barrier()
 rm.remove_process_set(ODD)
 rm.remove_process_set(EVEN)
