@@ -29,7 +29,7 @@ class Config:
         cycle_time_ms: how long the coordinator waits for more ready tensors to fuse with,
             once tensors are ready while others are still being declared (default 1 ms).
         stall_warning_s: warn when some ranks declared a tensor and others did not for this long.
-        stall_shutdown_s: abort the job after a stall this long (0 = never).
+        stall_shutdown_s: abort the job after a stall this long (0 = never; default 30 min).
         heartbeat_interval_s: how often each rank tells the coordinator it is alive.
         heartbeat_timeout_s: a rank silent this long is declared dead and the job aborted.
         start_timeout_s: how long ranks wait for the coordinator and each other at start.
@@ -55,7 +55,10 @@ class Config:
     fusion_threshold_bytes: int = 64 * MIB
     cycle_time_ms: float = 1.0
     stall_warning_s: float = 60.0
-    stall_shutdown_s: float = 0.0
+    # A stall that nothing resolves ends as an error, never as a silent wait: after 30 minutes,
+    # the default timeout of torch.distributed's process groups, which users of long
+    # evaluations on one rank already plan for.
+    stall_shutdown_s: float = 1800.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 15.0
     start_timeout_s: float = 30.0

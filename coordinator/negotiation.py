@@ -30,8 +30,9 @@ WIRE_ITEMSIZE = {
     "int16": 2, "int32": 4, "int64": 8, "bool": 1,
 }
 
-# The ops joined ranks can take part in (contributing zeros or no rows).
-JOINABLE = (pb.ALLREDUCE, pb.ALLGATHER, pb.BARRIER)
+# The ops joined ranks take part in (contributing zeros), as in Horovod: an allgather, broadcast,
+# alltoall or reducescatter while a rank has joined fails on the ranks that called it.
+JOINABLE = (pb.ALLREDUCE, pb.BARRIER)
 
 GLOBAL_SET = 0
 
@@ -236,8 +237,9 @@ class Negotiator:
         if joined and op not in JOINABLE:
             return _error_response(
                 entry.name, pb.INVALID_REQUEST,
-                f"{OP_NAMES[op]} '{entry.name}' cannot run while ranks {joined} have joined; "
-                f"only allreduce, allgather and barrier continue after join()")
+                f"{OP_NAMES[op]} '{entry.name}' cannot run while ranks {joined} have joined; only "
+                f"allreduce and barrier continue after join(), as in Horovod (DistributedOptimizer: pass "
+                f"sparse_as_dense=True for sparse gradients); this rank may call join() now too")
         if op == pb.PROCESS_SET_ADD:
             return self._add_set(entry.name, first)
         if op == pb.PROCESS_SET_REMOVE:

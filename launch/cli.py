@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--stall-warning-s", type=_number(float, 0, False), metavar="S",
                         help="warn about tensors some ranks have not declared after S seconds (default 60)")
     tuning.add_argument("--stall-shutdown-s", type=_number(float, 0, True), metavar="S",
-                        help="abort the job after a stall of S seconds (default 0: never)")
+                        help="abort the job after a stall of S seconds (default 1800; 0: never)")
     tuning.add_argument("--allreduce", choices=("auto", "ring", "mpi"),
                         help="allreduce algorithm (default auto)")
     tuning.add_argument("--heartbeat-interval-s", type=_number(float, 0, False), metavar="S",
@@ -184,6 +184,8 @@ class JobPlan:
     hostfile_text: Optional[str]
     verbose: bool
     hosts_origin: Optional[str] = None
+    #: said on stderr before the job starts, verbose or not (e.g. "inside an srun step: ...")
+    notes: Sequence[str] = ()
 
 
 def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
@@ -197,7 +199,13 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
     hosts = resolve_hosts(args.hosts, args.hostfile, allocation)
     num_proc = args.num_proc if args.num_proc is not None else _default_num_proc(hosts, allocation,
                                                                                   explicit_hosts)
-    check_slots(num_proc, hosts, args.oversubscribe, allocation)
+    notes = []
+    oversubscribe = args.oversubscribe
+    if not explicit_hosts and allocation is None and num_proc > total_slots(hosts) and not oversubscribe:
+        # As `horovodrun -np N`: with no host list, N ranks run on this machine, however many cores.
+        oversubscribe = True
+        notes.append(f"{num_proc} ranks on this machine's {total_slots(hosts)} core(s): ranks share cores")
+    check_slots(num_proc, hosts, oversubscribe, allocation)
     check_command(args.command, local_only=all_local(hosts))
     if args.ssh_identity_file is not None and not os.path.isfile(args.ssh_identity_file):
         raise LaunchError(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
@@ -221,7 +229,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         num_proc=num_proc, hosts=hosts, command=args.command,
         # the names only: the values (address, secret) exist once the coordinator runs
         export_names=exported_names(job_environment(base_env, "", "")),
-        oversubscribe=args.oversubscribe, network_interface=args.network_interface,
+        oversubscribe=oversubscribe, network_interface=args.network_interface,
         ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
         # a remote host whose sshd hangs must fail the launch within the start timeout
         ssh_connect_timeout=None if all_local(hosts) else config.start_timeout_s,
@@ -234,6 +242,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         spec=spec, mpi=mpi, output_dir=_output_dir(args.output_filename),
         hostfile_text=hostfile_text(mpi.kind, hosts) if args.hostfile is not None else None,
         verbose=args.verbose, hosts_origin=allocation.describe() if allocation is not None else None,
+        notes=notes + ([note] if allocation is not None and (note := allocation.step_note()) else []),
     )
 
 
@@ -264,6 +273,8 @@ def run_job(plan: JobPlan) -> int:
             with open(plan.spec.hostfile, "w", encoding="utf-8") as handle:
                 handle.write(plan.hostfile_text)
         command = build_command(plan.mpi, plan.spec)
+        for note in plan.notes:
+            print(f"{PROG}: {note}", file=sys.stderr)
         if plan.verbose and plan.hosts_origin is not None:
             hosts = ",".join(str(host) for host in plan.spec.hosts)
             print(f"{PROG}: hosts {hosts} from {plan.hosts_origin}", file=sys.stderr)

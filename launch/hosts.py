@@ -12,14 +12,23 @@ import ipaddress
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Protocol, Sequence
 
 from .errors import LaunchError
 
-if TYPE_CHECKING:  # slurm.py imports Host from here
-    from .slurm import SlurmAllocation
-
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
+
+
+class HostSource(Protocol):
+    """Where hosts came from when not from ``-H``/``--hostfile``: a resource manager's
+    allocation such as :class:`.slurm.SlurmAllocation` (which imports this module, not the
+    other way round)."""
+
+    def hosts(self) -> List["Host"]:
+        """The allocation's hosts and their slots."""
+
+    def describe(self) -> str:
+        """One line naming the allocation and the variables behind the hosts (for messages)."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +119,7 @@ def default_hosts() -> List[Host]:
 
 
 def resolve_hosts(hosts: Optional[str], hostfile: Optional[str],
-                  allocation: Optional["SlurmAllocation"] = None) -> List[Host]:
+                  allocation: Optional[HostSource] = None) -> List[Host]:
     """The job's hosts: from ``-H`` or ``--hostfile`` (at most one), else from the SLURM
     ``allocation`` ringrun runs in (see :func:`.slurm.slurm_allocation`), else
     :func:`default_hosts`. An explicit ``-H``/``--hostfile`` wins over the allocation.
@@ -132,7 +141,7 @@ def total_slots(hosts: Sequence[Host]) -> int:
 
 
 def check_slots(num_proc: int, hosts: Sequence[Host], oversubscribe: bool,
-                allocation: Optional["SlurmAllocation"] = None) -> None:
+                allocation: Optional[HostSource] = None) -> None:
     """Refuse more ranks than slots unless ``oversubscribe``.
 
     ``allocation``: the SLURM allocation the hosts came from, if they did (the message then

@@ -30,6 +30,11 @@ NTASKS = "SLURM_NTASKS"
 #: node, the ``--ntasks-per-node`` the job asked for, the CPUs SLURM gave each node.
 SLOT_VARIABLES = ("SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_CPUS_PER_NODE")
 STEP_NUM_TASKS = "SLURM_STEP_NUM_TASKS"
+#: Inside an ``srun`` step, srun rewrites ``SLURM_NTASKS`` and ``SLURM_TASKS_PER_NODE`` to the
+#: step's; these name the step's nodes and tasks per node (the job's node list stays as it was).
+STEP_ID = "SLURM_STEP_ID"
+STEP_NODELIST = "SLURM_STEP_NODELIST"
+STEP_TASKS_PER_NODE = "SLURM_STEP_TASKS_PER_NODE"
 
 #: The most host names a node list may expand to (guards against ``node[0-999999999]``).
 MAX_NODES = 100_000
@@ -184,7 +189,11 @@ class SlurmAllocation:
         nodes: the expanded ``SLURM_JOB_NODELIST``, in SLURM's order.
         slots: ranks each node may run, one per node.
         slots_from: ``NAME=value`` of the variable the slots came from.
-        ntasks: ``SLURM_NTASKS`` (the job's ``--ntasks``), or ``None`` when unset.
+        ntasks: ``SLURM_NTASKS`` (the job's ``--ntasks``, or the step's inside an ``srun``
+            step), or ``None`` when unset.
+        step: ``JOB.STEP`` when ringrun runs inside an ``srun`` step (``srun -n 1 ringrun``):
+            then the nodes and slots are the step's, not the whole allocation's.
+        nodes_from: the variable the nodes came from.
     """
 
     job_id: str
@@ -192,6 +201,8 @@ class SlurmAllocation:
     slots: Tuple[int, ...]
     slots_from: str
     ntasks: Optional[int] = None
+    step: Optional[str] = None
+    nodes_from: str = NODELIST
 
     def hosts(self) -> List[Host]:
         """The allocation as ``ringrun`` hosts: nodes with no slots left out, repeats joined."""
@@ -203,7 +214,19 @@ class SlurmAllocation:
 
     def describe(self) -> str:
         """One line naming the job and the variables behind the hosts (for messages)."""
-        return f"SLURM job {self.job_id}: {NODELIST} and {self.slots_from}"
+        if self.step is not None:
+            return f"SLURM step {self.step} (not the whole job {self.job_id}): {self.nodes_from} and {self.slots_from}"
+        return f"SLURM job {self.job_id}: {self.nodes_from} and {self.slots_from}"
+
+    def step_note(self) -> Optional[str]:
+        """Inside an ``srun`` step, what ringrun takes from SLURM and why (else ``None``)."""
+        if self.step is None:
+            return None
+        placed = ",".join(str(host) for host in self.hosts())
+        return (f"running inside srun step {self.step}, whose variables ({self.slots_from}, "
+                f"SLURM_NTASKS={self.ntasks}) describe that step, not job {self.job_id}'s whole allocation: "
+                f"ringrun uses the step's hosts {placed}. To use the whole allocation, run ringrun straight "
+                f"from the batch script or the salloc shell (not under srun), or give -np and -H")
 
 
 def in_allocation(environ: Mapping[str, str]) -> bool:
@@ -221,9 +244,10 @@ def _positive(environ: Mapping[str, str], variable: str) -> Optional[int]:
     return int(value)
 
 
-def _slots(environ: Mapping[str, str], node_count: int) -> Tuple[List[int], str]:
-    """Slots per node from the first of :data:`SLOT_VARIABLES` that is set."""
-    for variable in SLOT_VARIABLES:
+def _slots(environ: Mapping[str, str], node_count: int, nodes_from: str = NODELIST,
+           variables: Sequence[str] = SLOT_VARIABLES) -> Tuple[List[int], str]:
+    """Slots per node from the first of ``variables`` that is set."""
+    for variable in variables:
         value = environ.get(variable)
         if not value:
             continue
@@ -236,7 +260,7 @@ def _slots(environ: Mapping[str, str], node_count: int) -> Tuple[List[int], str]
         if len(counts) != node_count:
             raise LaunchError(
                 f"{variable}={value!r} has counts for {len(counts)} node(s) but "
-                f"{NODELIST}={environ[NODELIST]!r} lists {node_count}; "
+                f"{nodes_from}={environ[nodes_from]!r} lists {node_count}; "
                 f"pass -H/--hostfile to say where the ranks run"
             )
         if not any(counts):
@@ -256,7 +280,7 @@ def _refuse_multi_task_step(environ: Mapping[str, str]) -> None:
         raise LaunchError(
             f"ringrun is running as one of {tasks} tasks of an srun step ({STEP_NUM_TASKS}={tasks}), "
             f"so {tasks} copies of the job would start; run ringrun once, straight from the sbatch "
-            f"script or salloc shell (not under srun), or use `srun python train.py` without ringrun"
+            f"script or salloc shell (not under srun), or use `srun --mpi=pmix python train.py` without ringrun"
         )
 
 
@@ -265,7 +289,10 @@ def slurm_allocation(environ: Mapping[str, str]) -> Optional[SlurmAllocation]:
 
     Nodes from ``SLURM_JOB_NODELIST``; slots from ``SLURM_TASKS_PER_NODE``, else
     ``SLURM_NTASKS_PER_NODE``, else ``SLURM_JOB_CPUS_PER_NODE``; ``ntasks`` from
-    ``SLURM_NTASKS``.
+    ``SLURM_NTASKS``. Inside a one-task ``srun`` step (``srun -n 1 ringrun``), srun has
+    rewritten those to the step's, so the step's node list and tasks per node are used,
+    consistently (``SLURM_STEP_NODELIST``, ``SLURM_STEP_TASKS_PER_NODE`` where set), and
+    :meth:`SlurmAllocation.step_note` says so.
 
     Raises:
         LaunchError: a malformed variable (naming it and its value), counts that do not match
@@ -275,7 +302,16 @@ def slurm_allocation(environ: Mapping[str, str]) -> Optional[SlurmAllocation]:
     if not in_allocation(environ):
         return None
     _refuse_multi_task_step(environ)
-    nodes = expand_nodelist(environ[NODELIST], NODELIST)
-    slots, slots_from = _slots(environ, len(nodes))
+    step = None
+    nodes_from, slot_variables = NODELIST, SLOT_VARIABLES
+    if environ.get(STEP_NUM_TASKS):
+        step = f"{environ[JOB_ID]}.{environ.get(STEP_ID, '?')}"
+        if environ.get(STEP_NODELIST):
+            nodes_from = STEP_NODELIST
+        if environ.get(STEP_TASKS_PER_NODE):
+            slot_variables = (STEP_TASKS_PER_NODE,)
+    nodes = expand_nodelist(environ[nodes_from], nodes_from)
+    slots, slots_from = _slots(environ, len(nodes), nodes_from, slot_variables)
     return SlurmAllocation(job_id=environ[JOB_ID], nodes=tuple(nodes), slots=tuple(slots),
-                           slots_from=slots_from, ntasks=_positive(environ, NTASKS))
+                           slots_from=slots_from, ntasks=_positive(environ, NTASKS), step=step,
+                           nodes_from=nodes_from)

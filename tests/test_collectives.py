@@ -66,11 +66,9 @@ def test_join_lets_ranks_with_less_data_finish_without_hanging(np):
         steps = 2 + rank                      # uneven data: the last rank has the most batches
         for step in range(steps):
             total = rm.allreduce(torch.tensor([1.0, float(rank)]), op=rm.Sum, name=f"step.{step}")
-            gathered = rm.allgather(torch.full((1,), float(rank)), name=f"gather.{step}")
             maximum = rm.allreduce(torch.tensor([float(rank)]), op=rm.Min, name=f"min.{step}")
             active = [r for r in range(size) if 2 + r > step]
             assert total.tolist() == [len(active), sum(active)], (step, total)
-            assert gathered.tolist() == [float(r) for r in active], (step, gathered)
             assert maximum.item() == min(active), (step, maximum)
         last = rm.join()
         print("JOINED", rank, last, flush=True)

@@ -168,12 +168,14 @@ def test_joined_rank_counts_as_declared_and_join_completes_when_all_joined():
     assert join.op_type == pb.JOIN and join.last_joined_rank == 0
 
 
-def test_broadcast_cannot_run_with_a_joined_rank():
+@pytest.mark.parametrize("op", [pb.BROADCAST, pb.ALLGATHER, pb.ALLTOALL, pb.REDUCESCATTER])
+def test_only_allreduce_and_barrier_run_with_a_joined_rank(op):
     negotiator = Negotiator(2)
     negotiator.add_request(1, pb.TensorRequest(name="join", op_type=pb.JOIN))
-    negotiator.add_request(0, request("b", op=pb.BROADCAST, root_rank=0))
+    negotiator.add_request(0, request("b", op=op, root_rank=0))
     [response] = negotiator.pop_ready()
-    assert response.error_kind == pb.INVALID_REQUEST and "joined" in response.error_message
+    assert response.error_kind == pb.INVALID_REQUEST and "have joined" in response.error_message
+    assert "as in Horovod" in response.error_message and "may call join() now" in response.error_message
 
 
 def test_stall_names_missing_ranks_once():

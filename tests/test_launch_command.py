@@ -395,3 +395,29 @@ def test_a_binding_in_mpi_args_replaces_the_default_none():
     assert _chooses_binding(["--bind-to", "core"])
     assert _chooses_binding(["-bind-to=socket"])
     assert not _chooses_binding(["--map-by", "slot"])
+
+
+def test_np_beyond_the_cores_runs_on_this_host_as_horovodrun_does(monkeypatch):
+    cli = _fake_mpi(monkeypatch, OMPI5)
+    cores = os.cpu_count()
+    plan = cli.plan_job(parse_args(["-np", str(cores + 2), sys.executable, "-c", "pass"]), {"PATH": "/bin"})
+    assert plan.num_proc == cores + 2 and plan.spec.oversubscribe
+    assert plan.notes == [f"{cores + 2} ranks on this machine's {cores} core(s): ranks share cores"]
+    assert "--oversubscribe" in build_command(OMPI5, plan.spec)
+    within = cli.plan_job(parse_args(["-np", "1", sys.executable, "-c", "pass"]), {"PATH": "/bin"})
+    assert not within.spec.oversubscribe and within.notes == []
+    # the user's own host list is taken at its word: too few slots are refused
+    with pytest.raises(LaunchError, match=r"-np 3 needs more slots than the 2 available \(localhost:2\)"):
+        cli.plan_job(parse_args(["-np", "3", "-H", "localhost:2", sys.executable, "-c", "pass"]), {"PATH": "/bin"})
+
+
+@pytest.mark.timeout(120)
+def test_ringrun_np_4_without_hosts_runs_4_ranks_here():
+    from mpijob import job_environment, run_command
+
+    result = run_command([sys.executable, "-m", "ringmaster.launch", "-np", str(os.cpu_count() + 2), sys.executable,
+                          "-c", "import ringmaster as rm; rm.init(); print('size', rm.size())"], timeout=100,
+                         env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.lines_starting("size") == [str(os.cpu_count() + 2)] * (os.cpu_count() + 2)
+    assert "ranks share cores" in result.stderr

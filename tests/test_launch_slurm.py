@@ -313,3 +313,33 @@ def test_ringrun_in_a_fake_allocation_of_this_host():
     assert result.returncode == 0, result.output
     assert sorted(result.lines_starting("rank")) == ["0", "1"], result.output
     assert f"hosts {here}:2 from SLURM job 1" in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------- inside an srun step
+
+def test_inside_a_one_task_step_the_step_is_used_and_ringrun_says_so():
+    # `srun -n 1 ringrun ...` in a 2-node job: srun rewrote SLURM_NTASKS/SLURM_TASKS_PER_NODE to the step's
+    allocation = slurm_allocation(_env(SLURM_STEP_NUM_TASKS="1", SLURM_STEP_ID="3", SLURM_NTASKS="1",
+                                       SLURM_TASKS_PER_NODE="1", SLURM_STEP_NODELIST="node02",
+                                       SLURM_STEP_TASKS_PER_NODE="1"))
+    assert allocation.hosts() == [Host("node02", 1)]
+    assert allocation.step == "42.3" and allocation.ntasks == 1
+    note = allocation.step_note()
+    for fragment in ("srun step 42.3", "SLURM_STEP_TASKS_PER_NODE=1", "not job 42's whole allocation",
+                     "node02:1", "straight from the batch script", "-np and -H"):
+        assert fragment in note, note
+    assert "SLURM step 42.3 (not the whole job 42): SLURM_STEP_NODELIST" in allocation.describe()
+
+
+def test_outside_a_step_there_is_no_note():
+    assert slurm_allocation(_env()).step_note() is None
+
+
+def test_ringrun_prints_the_step_note_before_the_job(tmp_path):
+    env = job_environment(_env(PATH=None, SLURM_STEP_NUM_TASKS="1", SLURM_STEP_ID="0", SLURM_NTASKS="1",
+                               SLURM_JOB_NODELIST=socket.gethostname(), SLURM_TASKS_PER_NODE="1"))
+    result = run_command([sys.executable, "-m", "ringmaster.launch", sys.executable, "-c",
+                          "import ringmaster as rm; rm.init(); print('size', rm.size())"], timeout=60, env=env)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "size 1" in result.stdout
+    assert "ringrun: running inside srun step 42.0" in result.stderr, result.stderr

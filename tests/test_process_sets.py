@@ -198,3 +198,21 @@ def test_process_sets_on_four_ranks_match_the_single_process_reference():
     assert len(done) == 4 and all(line.endswith(" 0 failures") for line in done), result.output[-4000:]
     assert "stall" not in result.output, result.output[-4000:]
     assert result.returncode == 0, result.output[-4000:]
+
+
+@pytest.mark.timeout(90)
+def test_init_registers_process_sets_as_horovod_does():
+    result = mpirun(3, """
+        import torch, ringmaster as rm
+        evens = rm.ProcessSet([0, 2])
+        rm.init(process_sets=[evens, [1, 2]])
+        ids = [evens.process_set_id]
+        if evens.included():
+            ids.append(rm.allreduce(torch.tensor([float(rm.rank())]), op=rm.Sum, process_set=evens).item())
+        rm.shutdown()
+        rm.init(process_sets="dynamic")  # accepted; sets can be added at any time anyway
+        odd = rm.add_process_set([1])
+        print("SETS", rm.rank(), *ids, odd.process_set_id, flush=True)
+    """, timeout=80)
+    assert result.returncode == 0, result.output[-3000:]
+    assert sorted(result.lines_starting("SETS")) == ["0 1 2.0 1", "1 1 1", "2 1 2.0 1"]

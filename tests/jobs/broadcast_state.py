@@ -78,8 +78,85 @@ for optimizer_class, kwargs in [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     optimizer = stepped(optimizer_class, RANK, 0, **(root_kwargs if RANK == 0 else kwargs))
     wrapped = rm.DistributedOptimizer(optimizer)
     rm.broadcast_optimizer_state(wrapped, root_rank=0)
-    report(f"broadcast_optimizer_state({name}) fresh on every rank",
-           same_state(wrapped.state_dict(), stepped(optimizer_class, 0, 0, **root_kwargs).state_dict()))
+    # As Horovod: the fresh state is created by a zero-gradient step, and the parameters stay as they were.
+    fresh = stepped(optimizer_class, 0, 0, **root_kwargs)
+    before = [p.detach().clone() for group in fresh.param_groups for p in group["params"]]
+    for group in fresh.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    fresh.step()
+    report(f"broadcast_optimizer_state({name}) fresh on every rank creates the state",
+           len(wrapped.state_dict()["state"]) == len(before) and same_state(wrapped.state_dict(), fresh.state_dict()),
+           f"\n got {wrapped.state_dict()}\n want {fresh.state_dict()}")
+    report(f"broadcast_optimizer_state({name}) leaves the parameters and gives zero gradients",
+           all(torch.equal(p, stepped(optimizer_class, 0, 0, **root_kwargs).param_groups[0]["params"][i])
+               for i, p in enumerate(wrapped.param_groups[0]["params"]))
+           and all(p.grad is not None and not p.grad.any() for p in wrapped.param_groups[0]["params"]))
+
+# ---------------------------------------- every torch.optim optimizer, every kind of state
+class WithFrozen(nn.Module):
+    """A parameter that never gets a gradient (requires_grad=False) beside trained ones."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.frozen = nn.Parameter(torch.tensor([1, 3]).float(), requires_grad=False)
+        self.weight = nn.Parameter(torch.randn(4, 3))
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias) * self.frozen.sum()
+
+
+EVERY_OPTIMIZER = sorted((cls for cls in vars(torch.optim).values()
+                          if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+                          and cls is not torch.optim.Optimizer), key=lambda cls: cls.__name__)
+OPTIONS = {"SGD": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1, "nesterov": True},
+           "RMSprop": {"lr": 0.01, "momentum": 0.9, "centered": True, "weight_decay": 0.1},
+           "Adam": {"lr": 0.01, "amsgrad": True}, "LBFGS": {"lr": 0.5, "history_size": 3}}
+TRAINED = {"SparseAdam": 2, "Muon": 1}  # how many parameters the optimizer's constraints admit
+
+
+def params_for(name, model):
+    """The parameters an optimizer takes: all, but SparseAdam has no frozen ones and Muon only 2-d ones."""
+    return {"SparseAdam": [model.weight, model.bias], "Muon": [model.weight]}.get(name, list(model.parameters()))
+
+
+for optimizer_class in EVERY_OPTIMIZER:
+    name = optimizer_class.__name__
+    sparse = optimizer_class is torch.optim.SparseAdam
+    model = WithFrozen()
+    params = params_for(name, model)
+    optimizer = optimizer_class(params, **OPTIONS.get(name, {"lr": 0.01}))
+    torch.manual_seed(RANK)
+    for _ in range(RANK % 2 + 1):  # ranks differ in how far they trained
+        def closure():
+            optimizer.zero_grad()
+            loss = model(torch.randn(2, 3)).pow(2).mean()
+            loss.backward()
+            if sparse:
+                for p in (model.weight, model.bias):
+                    p.grad = p.grad.to_sparse()
+            return loss
+        optimizer.step(closure) if name == "LBFGS" else (closure(), optimizer.step())  # local steps
+    optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    root_state = rm.broadcast_object(optimizer.state_dict(), root_rank=0, name=f"every.{name}")
+    rm.broadcast_optimizer_state(optimizer, root_rank=0)
+    report(f"broadcast_optimizer_state({name}) with a frozen parameter",
+           same_state(optimizer.state_dict(), root_state), f"\n got {optimizer.state_dict()}\n want {root_state}")
+    report(f"broadcast_optimizer_state({name}): the frozen parameter has no gradient", model.frozen.grad is None)
+    # a fresh optimizer of this class: its state is created (except LBFGS's), the same on every rank
+    fresh_model = WithFrozen()
+    fresh_params = params_for(name, fresh_model)
+    fresh = optimizer_class(fresh_params, **OPTIONS.get(name, {"lr": 0.01}))
+    rm.broadcast_optimizer_state(fresh, root_rank=SIZE - 1)
+    created = fresh.state_dict()
+    report(f"broadcast_optimizer_state({name}) fresh: state created as Horovod does",
+           (len(created["state"]) >= TRAINED.get(name, 2)) != (name == "LBFGS")  # Adagrad: every parameter
+           and same_state(created, rm.broadcast_object(created, root_rank=SIZE - 1, name=f"fresh.{name}"))
+           and torch.equal(fresh_model.weight, WithFrozen().weight),
+           f"{created}")
+
 
 # ----------------------------------------------------------- object collectives
 objects = [None, 3, "text", {"epoch": 7, "nested": [1.5, (2, "x")]}, torch.arange(5), b"\x00" * 100_000]
@@ -151,6 +228,16 @@ refuses("not pairs", lambda: rm.DistributedOptimizer(sgd(), named_parameters=lis
 refuses("backward_passes_per_step=0", lambda: rm.DistributedOptimizer(sgd(), backward_passes_per_step=0),
         ValueError, ["backward_passes_per_step"])
 refuses("groups=0", lambda: rm.DistributedOptimizer(sgd(), groups=0), ValueError, ["groups"])
+refuses("groups and num_groups", lambda: rm.DistributedOptimizer(sgd(), num_groups=2, groups=2), ValueError,
+        ["num_groups", "not both"])
+# Horovod's positional order: ..., gradient_predivide_factor, num_groups, groups, sparse_as_dense
+positional = rm.DistributedOptimizer(sgd(), None, rm.Compression.none, 1, rm.Average, 1.0, 2, None, True)
+report("num_groups positional as in Horovod", len(positional._groups) == 2 and positional._sparse_as_dense,
+       f"{len(positional._groups)} groups")
+positional.set_backward_passes_per_step(3)
+report("set_backward_passes_per_step", positional.backward_passes_per_step == 3)
+refuses("set_backward_passes_per_step(0)", lambda: positional.set_backward_passes_per_step(0), ValueError,
+        ["backward_passes_per_step"])
 refuses("a parameter in two groups", lambda: rm.DistributedOptimizer(
     sgd(), groups=[[params["0.weight"]], [params["0.weight"]]]), ValueError, ["more than one group"])
 refuses("Adasum", lambda: rm.DistributedOptimizer(sgd(), op=rm.Adasum), NotImplementedError, ["Adasum"])

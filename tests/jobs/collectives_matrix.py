@@ -183,6 +183,15 @@ check("alltoall splits", output, torch.cat(expected_parts), torch.float32)
 check("alltoall received splits", received, torch.tensor([splits_of(s)[RANK] for s in range(SIZE)]), torch.int32)
 even = [torch.arange(SIZE * 2, dtype=torch.int64) + 10 * r for r in range(SIZE)]
 check("alltoall even", rm.alltoall(even[RANK]), torch.cat([e[2 * RANK:2 * RANK + 2] for e in even]), torch.int64)
+for bad_splits in (torch.ones(SIZE, dtype=torch.float32), [0.5] * SIZE):
+    try:
+        rm.alltoall(torch.ones(SIZE), splits=bad_splits)
+        check(f"alltoall with splits {bad_splits!r} raises", torch.tensor(False), torch.tensor(True), torch.bool)
+    except ValueError as error:
+        check("alltoall with non-integer splits raises", torch.tensor("must be integers" in str(error)),
+              torch.tensor(True), torch.bool)
+int_splits, _ = rm.alltoall(torch.ones(SIZE), splits=torch.ones(SIZE, dtype=torch.int32))
+check("alltoall with an integer splits tensor", int_splits, torch.ones(SIZE), torch.float32)
 
 # ------------------------------------------------------------- reducescatter
 for rows in (SIZE * 2, SIZE + 1, 1):

@@ -6,10 +6,14 @@ Three kinds:
   write): ``compress(tensor) -> (tensor, ctx)`` gives the tensor to allreduce,
   ``decompress(tensor, ctx) -> tensor`` restores the result. What travels must still be
   summable, as a float16 tensor is.
-* **Wire formats** (``Compression.int8``: Dettmers' 8-bit dynamic tree; ``Compression.linear8``):
-  8-bit codes cannot be summed, so the tensor goes to the background thread as it is and
-  the ring allreduce encodes every chunk before each step and accumulates in float32 after
-  decoding (``ops/quantized_ring.py``): each rank sends a quarter of the bytes.
+* **8-bit codecs** (``Compression.int8``: Dettmers' 8-bit dynamic tree; ``Compression.linear8``):
+  ``compress`` returns the codes (one uint8 per element, the per-block absmax values in the
+  context) and ``decompress`` decodes them, for whatever moves tensors (model-parallel
+  activations, a user's own allgather). 8-bit codes cannot be summed, so ``allreduce`` and
+  ``DistributedOptimizer`` do not call ``compress``: the tensor goes to the background thread
+  as it is, and the ring allreduce encodes every chunk before each step and accumulates in
+  float32 after decoding (``ops/quantized_ring.py``; ``wire_format`` names the type): each
+  rank sends a quarter of the bytes.
 * **Sparsifiers** (``Compression.rgc(...)``: RedSync's residual gradient compression, and
   ``Compression.topk(...)``): instances with per-tensor state that send each rank's
   selected entries through one sparse allgather (``worker/compression/rgc.py``); for
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ringmaster.worker.compression import quantization as q
 from ringmaster.worker.compression.rgc import RGCCompressor, TopKCompressor
 
 
@@ -63,27 +68,46 @@ class FP16Compressor(Compressor):
         return tensor if ctx is None else tensor.to(ctx)
 
 
-class WireCompressor(NoneCompressor):
-    """A wire format: the tensor is handed over as it is and the allreduce moves 8-bit codes.
+class WireCompressor(Compressor):
+    """An 8-bit type, as a tensor codec and as the allreduce's wire format.
 
-    ``compress``/``decompress`` pass tensors through; ``wire_format`` names the encoding
-    the background thread applies at every ring step. Floating-point tensors only, with
-    ``op=Average`` or ``Sum``; other tensors travel as they are.
+    ``compress(t)`` returns ``(codes, (absmaxes, dtype))`` for a floating-point ``t``: uint8
+    codes of ``t``'s shape and one float32 absmax per :data:`quantization.BLOCK_ELEMENTS`
+    elements; ``decompress`` decodes them to ``t``'s dtype. Other dtypes pass through with a
+    ``None`` context. ``wire_format`` names the encoding the background thread applies at
+    every ring step of an allreduce (floating-point tensors, ``op=Average`` or ``Sum``).
     """
 
     wire_format = ""
+    kind = ""
+
+    @classmethod
+    def compress(cls, tensor):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in q.SUPPORTED_DTYPES:
+            return tensor, None
+        codes, absmax = q.encode_blocks(tensor, cls.kind)
+        return codes, (absmax, tensor.dtype)
+
+    @classmethod
+    def decompress(cls, tensor, ctx):
+        if ctx is None:
+            return tensor
+        absmax, dtype = ctx
+        return q.decode_blocks(tensor, absmax, dtype, cls.kind)
 
 
 class Int8Compressor(WireCompressor):
-    """Dettmers' 8-bit dynamic tree type on the wire: about 2 % relative error per element."""
+    """Dettmers' 8-bit dynamic tree type: about 2 % mean relative error per element of N(0, 1)."""
 
     wire_format = "int8"
+    kind = "dynamic tree"
 
 
 class Linear8Compressor(WireCompressor):
-    """8-bit linear quantization (sign and 127 levels of the block's absmax) on the wire."""
+    """8-bit linear quantization (sign and 127 levels of the block's absmax)."""
 
     wire_format = "linear8"
+    kind = "linear8"
 
 
 def wire_format(compression, tensor) -> str:

@@ -1,5 +1,9 @@
 """The collectives users call, with ``horovod.torch``'s names, arguments and defaults.
 
+This module holds the ``*_async`` and in-place forms and the plain (non-differentiable)
+out-of-place ones; the public out-of-place collectives are their autograd wrappers in
+:mod:`ringmaster.worker.frontend.differentiable`.
+
 Each ``*_async`` call validates its input on the caller's thread, puts an entry in the
 tensor table, declares it to the coordinator and returns a handle; ``synchronize``
 waits for it. The background thread does the communication.
@@ -84,9 +88,9 @@ def _check_reduction(tensor: torch.Tensor, op: int, prescale: float, postscale: 
     if tensor.dtype == torch.bool and op in (Average,):
         raise TypeError(f"{what}: op=Average is undefined for bool tensors; use Sum (logical or), "
                         f"Product or Min (logical and), or Max")
-    if not tensor.dtype.is_floating_point and (prescale != 1.0 or postscale != 1.0):
-        raise TypeError(f"{what}: prescale_factor/postscale_factor need a floating-point tensor, "
-                        f"got {tensor.dtype}")
+    if tensor.dtype == torch.bool and (prescale != 1.0 or postscale != 1.0):
+        raise TypeError(f"{what}: prescale_factor/postscale_factor cannot scale a bool tensor; "
+                        f"use an integer or floating-point dtype")
 
 
 def _request(name: str, op_type: int, tensor: torch.Tensor, process_set_id: int = 0, **fields) -> pb.TensorRequest:
@@ -175,21 +179,6 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                               False, "allreduce_async", single=True, process_set=process_set)
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, process_set=global_process_set):
-    """Allreduce ``tensor`` over all ranks and return the result as a new tensor.
-
-    ``compression`` (default ``Compression.none``) compresses what travels:
-    ``Compression.fp16`` sends float16, ``Compression.int8``/``linear8`` 8-bit codes.
-    """
-    compressor, wire = _tensor_compressor(compression, "allreduce")
-    compressed, ctx = compressor.compress(tensor)
-    result = synchronize(_grouped_allreduce([compressed], average, name, op, prescale_factor, postscale_factor,
-                                            False, "allreduce", single=True, flush=True, process_set=process_set,
-                                            wire_format=wire))
-    return compressor.decompress(result, ctx)
-
-
 def _tensor_compressor(compression, what: str):
     """``(compressor, wire format)`` of a ``compression=`` argument; refuses stateful sparsifiers."""
     compression = Compression.none if compression is None else compression
@@ -223,20 +212,6 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     """Allreduce a list of tensors as one group (negotiated and fused together); one handle."""
     return _grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
                               False, "grouped_allreduce_async", single=False, process_set=process_set)
-
-
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, process_set=global_process_set):
-    """Allreduce a list of tensors as one group; returns the list of results.
-
-    ``compression`` as in :func:`allreduce`.
-    """
-    compressor, wire = _tensor_compressor(compression, "grouped_allreduce")
-    compressed = [compressor.compress(tensor) for tensor in tensors]
-    results = synchronize(_grouped_allreduce([c for c, _ in compressed], average, name, op, prescale_factor,
-                                             postscale_factor, False, "grouped_allreduce", single=False,
-                                             flush=True, process_set=process_set, wire_format=wire))
-    return [compressor.decompress(result, ctx) for result, (_, ctx) in zip(results, compressed)]
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -347,7 +322,12 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
                              f"among {among}; pass splits=")
         split_list = [tensor.shape[0] // size] * size
     else:
-        split_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+        if (isinstance(splits, torch.Tensor) and (splits.is_floating_point() or splits.is_complex())) or \
+                any(isinstance(s, float) and not s.is_integer() for s in values):
+            raise ValueError(f"alltoall: splits must be integers (a list of ints or an integer tensor), got "
+                             f"{splits.dtype if isinstance(splits, torch.Tensor) else values}")
+        split_list = [int(s) for s in values]
         if len(split_list) != size or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
             raise ValueError(f"alltoall: splits={split_list} must have one non-negative entry per rank "
                              f"({among}) summing to the first dimension ({tensor.shape[0]})")

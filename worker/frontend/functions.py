@@ -106,14 +106,21 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     """Make ``optimizer``'s state and hyperparameters on every rank equal to ``root_rank``'s.
 
     Covers the per-parameter state (tensors such as momentum buffers and Python values such
-    as ``step``) and every entry of ``param_groups`` (``lr``, ``momentum``, ...). It works
-    on a freshly built optimizer whose state is still empty, without taking a step: ranks
-    end up with exactly the root's state, empty or not. Works on a ``DistributedOptimizer``.
+    as ``step``, ``None`` entries, nested containers) and every entry of ``param_groups``
+    (``lr``, ``momentum``, ...). Works on a ``DistributedOptimizer`` and on every
+    ``torch.optim`` optimizer.
+
+    A freshly built optimizer has no state yet: as Horovod does, every parameter that
+    requires grad and has none gets a zero gradient, and the optimizer takes one local step
+    (no communication) so that its state exists before it is broadcast. Unlike Horovod, the
+    parameters are then restored, so that a weight decay applied to the zero gradients
+    leaves no trace. Parameters that do not require grad keep ``grad`` ``None``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     state = runtime()
     is_root = state.rank == collectives._check_root(root_rank, "broadcast_optimizer_state")
+    _create_state(optimizer)
     local = optimizer.state_dict()
     # The structure (and every Python value) travels pickled; tensors travel as tensors.
     tensors: List[torch.Tensor] = []
@@ -136,6 +143,28 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         raise ValueError(f"broadcast_optimizer_state: rank {state.rank} cannot take rank {root_rank}'s "
                          f"optimizer state ({error}); every rank must build the same optimizer over the "
                          f"same parameters") from None
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state, as Horovod does: zero gradients where there are none
+    and one local step (a DistributedOptimizer's wrapped step, which reduces nothing); the
+    parameters are restored afterwards."""
+    if optimizer.state_dict()["state"] or isinstance(optimizer, torch.optim.LBFGS):
+        return  # LBFGS's step needs a closure; its state is created by the first real step
+    params = [p for group in optimizer.param_groups for p in group["params"]
+              if p.requires_grad and p not in optimizer.state]
+    if not params:
+        return
+    saved = [p.detach().clone() for p in params]
+    for p in params:
+        if p.grad is None:
+            zeros = torch.zeros_like(p)
+            p.grad = zeros.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else zeros
+    local_step = getattr(optimizer, "local_step", None)  # DistributedOptimizer: step without reducing
+    with torch.no_grad():
+        (local_step or optimizer.step)()
+        for p, value in zip(params, saved):
+            p.copy_(value)
 
 
 class _TensorSlot:

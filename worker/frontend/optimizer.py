@@ -23,6 +23,7 @@ import torch
 from ringmaster.worker.compression.compressors import Compression, wire_format
 from ringmaster.worker.frontend import collectives
 from ringmaster.worker.frontend.calibration import calibrated
+from ringmaster.worker.frontend.differentiable import allreduce
 from ringmaster.worker.frontend.sparse import sparse_allreduce_async
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.errors import RingmasterError
@@ -142,8 +143,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         plan = GradientPlan(order, [_NAME_PREFIX + self._parameter_names[p] for p in order], prescale, postscale,
                             self._process_set.process_set_id)
         # Sum of ones: a rank that has joined adds zero, and then no plan is used.
-        votes = collectives.allreduce(torch.tensor([1 if fits else 0], dtype=torch.int32), op=collectives.Sum,
-                                      name=plan.request_name + ".agree", process_set=self._process_set)
+        votes = allreduce(torch.tensor([1 if fits else 0], dtype=torch.int32), op=collectives.Sum,
+                          name=plan.request_name + ".agree", process_set=self._process_set)
         if int(votes.item()) == self._process_set.size():
             self._plan_runtime = runtime()
             self._plan_runtime.executor.register_plan(self._process_set.process_set_id, plan)
@@ -227,12 +228,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad = grad.to_dense()
         if self._sparsifier is not None:
             return self._sparsify_async(p, name, grad)
-        compressed, ctx = self._compression.compress(grad)
+        compressed, ctx = self._compress(grad)
         prescale, postscale = self._scaling()
         handle = collectives._grouped_allreduce(
             [compressed], None, name, self._op, prescale, postscale, True, "DistributedOptimizer", single=True,
             process_set=self._process_set, wire_format=wire_format(self._compression, compressed))
         return handle, ctx, compressed
+
+    def _compress(self, grad: torch.Tensor):
+        """``(tensor to allreduce, ctx)``: an 8-bit wire format hands the gradient over as it is
+        (the ring encodes every step); other compressors compress it."""
+        if wire_format(self._compression, grad):
+            return grad, None
+        return self._compression.compress(grad)
 
     def _sparsify_async(self, p: torch.Tensor, name: str, grad: torch.Tensor):
         """rgc/topk: allreduce the tensor the compressor keeps dense, or allgather its sparse message."""
@@ -256,7 +264,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"parameter '{self._parameter_names[p]}' has a sparse gradient and cannot "
                                      f"be in a group; leave it out of groups= or pass sparse_as_dense=True")
                 grad = grad.to_dense()
-            compressed, ctx = self._compression.compress(grad)
+            compressed, ctx = self._compress(grad)
             grads.append(compressed)
             contexts.append(ctx)
         prescale, postscale = self._scaling()
@@ -347,6 +355,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """As Horovod's: accumulate ``passes`` backward passes locally before each allreduce,
+        from the next ``synchronize()`` on."""
+        if not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive int, got {passes!r}")
+        self.backward_passes_per_step = passes
+
+    def local_step(self, closure=None):
+        """The wrapped optimizer's own step on the gradients as they are, reducing nothing
+        (``broadcast_optimizer_state`` uses it to create a fresh optimizer's state)."""
+        return super(self._ringmaster_base, self).step(closure)
+
     def step(self, closure=None):
         """Wait for the averaged gradients (unless in ``skip_synchronize()``), then step.
 
@@ -408,7 +428,7 @@ def _remove_hooks(handles) -> None:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=collectives.Average, gradient_predivide_factor: float = 1.0,
-                         groups=None, sparse_as_dense: bool = False,
+                         num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set):
     """Wrap ``optimizer`` so that ``step()`` uses gradients reduced over all ranks.
 
@@ -424,6 +444,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         op: ``Average`` (default), ``Sum`` or ``Adasum`` (not supported).
         gradient_predivide_factor: with ``Average``, divide gradients by this factor before
             the sum and by ``size / factor`` after it.
+        num_groups: Horovod's older spelling of an integer ``groups`` (used when ``groups`` is None).
         groups: an integer (split the parameters into that many fused groups) or a list of
             lists of parameters; each group is reduced as one grouped allreduce once all its
             gradients are ready.
@@ -435,6 +456,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, "_ringmaster_base"):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the original once")
+    if num_groups:
+        if groups is not None:
+            raise ValueError("DistributedOptimizer: give groups= or the older num_groups=, not both")
+        groups = num_groups
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
     if op == collectives.Adasum:

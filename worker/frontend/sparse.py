@@ -15,12 +15,22 @@ from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set, member_set
 
 
+class SparseAllreduceHandle(int):
+    """The handle :func:`sparse_allreduce_async` returns: as in Horovod, calling it waits and
+    returns the reduced sparse tensor (``handle()``); it is also an ordinary handle id, so
+    ``synchronize(handle)`` and ``poll(handle)`` work as for every other collective."""
+
+    def __call__(self) -> torch.Tensor:
+        return collectives.synchronize(self)
+
+
 def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=None,
-                           process_set: ProcessSet = global_process_set) -> int:
+                           process_set: ProcessSet = global_process_set) -> SparseAllreduceHandle:
     """Start reducing the sparse ``tensor`` over all ranks with ``Average`` (default) or ``Sum``.
 
-    Returns a handle; :func:`synchronize` gives the reduced tensor as an uncoalesced sparse
-    tensor of the same size.
+    Returns a :class:`SparseAllreduceHandle`: ``handle()`` (Horovod's way) or
+    ``synchronize(handle)`` gives the reduced tensor as an uncoalesced sparse tensor of the
+    same size.
     """
     op = collectives.Average if op is None else op
     if op not in (collectives.Average, collectives.Sum):
@@ -44,4 +54,4 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
             all_values = all_values / size if all_values.dtype.is_floating_point else all_values // size
         return torch.sparse_coo_tensor(all_indices.t(), all_values, shape, check_invariants=True)
 
-    return state.handles.new_derived(base, [indices, values], combine).id
+    return SparseAllreduceHandle(state.handles.new_derived(base, [indices, values], combine).id)

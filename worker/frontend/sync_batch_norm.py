@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ringmaster.worker.frontend.collectives import Sum, allgather, allreduce
+from ringmaster.worker.frontend.collectives import Sum
+from ringmaster.worker.frontend.differentiable import allgather, allreduce
 from ringmaster.worker.frontend.topology import size
 
 

@@ -358,8 +358,7 @@ class Executor:
     def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response, group: SetComm,
                          source: Optional[torch.Tensor] = None) -> None:
         """Allreduce into the 1-D contiguous ``flat`` (from ``source`` if given), with Horovod's scaling."""
-        if response.prescale_factor != 1.0:
-            flat.mul_(response.prescale_factor)
+        _scale_(flat, response.prescale_factor)
         array, reduction = flat_array(flat), OPS_REDUCTION[response.reduce_op]
         recording = timeline.active()
         if recording is not None:
@@ -381,14 +380,15 @@ class Executor:
 
     @staticmethod
     def _postscale(flat: torch.Tensor, response: pb.Response, size: int) -> None:
-        """Average divides by the number of ranks that reduced (the set's size)."""
+        """Average divides by the number of ranks that reduced (the set's size); integers
+        truncate toward zero, as Horovod's integer Average does."""
         if response.reduce_op == pb.AVERAGE:
-            if flat.dtype.is_floating_point:
-                flat.mul_(response.postscale_factor / size)
+            if flat.dtype.is_floating_point or response.postscale_factor != 1.0:
+                _scale_(flat, response.postscale_factor / size)
             else:
-                flat.floor_divide_(size)
-        elif response.postscale_factor != 1.0:
-            flat.mul_(response.postscale_factor)
+                flat.div_(size, rounding_mode="trunc")  # exact, also for int64 beyond 2**53
+        else:
+            _scale_(flat, response.postscale_factor)
 
     def _fusion_buffer(self, dtype: torch.dtype, count: int) -> torch.Tensor:
         buffer = self._fusion.get(dtype)
@@ -440,8 +440,7 @@ class Executor:
         rows = reducescatter_rows(tensor.shape[0], group.size)
         row_count = math.prod(tensor.shape[1:])
         work = tensor.to(wire_dtype).reshape(-1).clone()
-        if response.prescale_factor != 1.0:
-            work.mul_(response.prescale_factor)
+        _scale_(work, response.prescale_factor)
         part = ops.reducescatter(group.comm, flat_array(work), OPS_REDUCTION[response.reduce_op],
                                  [r * row_count for r in rows])
         result = torch.from_numpy(np.ascontiguousarray(part)).clone()
@@ -495,6 +494,17 @@ class Executor:
         entry = self._take(response, response.names[0])
         if entry is not None:
             self._complete(entry, True)
+
+
+def _scale_(flat: torch.Tensor, factor: float) -> None:
+    """Multiply ``flat`` by ``factor`` in place; integers are scaled in float64 and cast back,
+    truncating toward zero (Horovod's rule for prescale/postscale factors on integer tensors)."""
+    if factor == 1.0:
+        return
+    if flat.dtype.is_floating_point:
+        flat.mul_(factor)
+    else:
+        flat.copy_(flat.to(torch.float64).mul_(factor))
 
 
 def _copy_out(entries, buffer: torch.Tensor, sizes, shapes, dtype: torch.dtype) -> list:

@@ -15,6 +15,7 @@ import threading
 from typing import List, Optional
 
 from ringmaster.common.config import Config, load_config
+from ringmaster.common.launchers import lone_task_problem
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import current, timeline
@@ -24,7 +25,7 @@ from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterErro
 from ringmaster.worker.runtime.executor import Entry, Executor, TensorTable
 from ringmaster.worker.runtime.handles import HandleTable
 from ringmaster.worker.runtime.outbox import Outbox
-from ringmaster.worker.runtime.process_sets import global_process_set
+from ringmaster.worker.runtime.process_sets import add_process_set, global_process_set
 from ringmaster.worker.runtime.stack_dumps import install_dump_signal
 
 log = logging.getLogger("ringmaster.worker")
@@ -158,12 +159,15 @@ _unhandled_exception = False
 _exit_hooks_installed = False
 
 
-def init(comm=None) -> None:
+def init(comm=None, process_sets=None) -> None:
     """Start ringmaster in this process: join the job, reach the coordinator, start the background thread.
 
     Args:
         comm: an mpi4py communicator to run on (default ``MPI.COMM_WORLD``); it is duplicated,
             so the caller's own MPI traffic never mixes with ringmaster's.
+        process_sets: as in Horovod, process sets (``ProcessSet`` or lists of ranks) to
+            register right after joining, in this order on every rank; ``"dynamic"`` is
+            accepted and changes nothing (sets may be added and removed at any time).
 
     Calling it again while initialized does nothing; after :func:`shutdown` it starts anew.
     """
@@ -185,6 +189,9 @@ def init(comm=None) -> None:
             comm = MPI.COMM_WORLD
         elif not isinstance(comm, MPI.Comm):
             raise TypeError(f"init(comm=...) takes an mpi4py communicator, got {type(comm).__name__}")
+        lone = lone_task_problem(os.environ, MPI.COMM_WORLD.Get_size())
+        if lone is not None:
+            raise RingmasterError(f"ringmaster.init() on {socket.gethostname()} (pid {os.getpid()}): {lone}")
         if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
             raise RingmasterError("MPI was initialized without thread support; ringmaster runs collectives "
                                   "on a background thread: initialize MPI with MPI_THREAD_MULTIPLE "
@@ -193,6 +200,13 @@ def init(comm=None) -> None:
         current.replace(started)
         _install_exit_hooks()
         install_dump_signal()  # kill -USR1 prints where each thread of a rank is
+    if process_sets is not None and process_sets != "dynamic":
+        try:
+            for process_set in process_sets:
+                add_process_set(process_set)
+        except Exception:
+            shutdown()  # init() either succeeds or leaves nothing running
+            raise
     if config.timeline and ("{rank}" in config.timeline or started.rank == 0):
         try:
             timeline.start_timeline(config.timeline.replace("{rank}", str(started.rank)))
