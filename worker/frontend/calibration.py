@@ -26,7 +26,7 @@ from ringmaster.worker.compression.cost_model import _check_positive as check_po
 from ringmaster.worker.compression.cost_model import _fit as fit
 from ringmaster.worker.compression.rgc import RGCCompressor
 from ringmaster.worker.compression.selection import select
-from ringmaster.worker.frontend import collectives
+from ringmaster.worker.frontend import collectives, differentiable
 from ringmaster.worker.frontend.topology import rank, size
 from ringmaster.worker.runtime.current import is_initialized
 from ringmaster.worker.runtime.process_sets import global_process_set
@@ -93,7 +93,7 @@ def calibrate(process_set=None, repeats: int = 5, device=None) -> CostModel:
     prefix = f"ringmaster.cost_model.{process_set.process_set_id}"
 
     def allreduce(tensor, what):
-        return collectives.allreduce(tensor, op=collectives.Sum, name=f"{prefix}.{what}", process_set=process_set)
+        return differentiable.allreduce(tensor, op=collectives.Sum, name=f"{prefix}.{what}", process_set=process_set)
 
     # Collectives first, while the ranks are in step (the warm-up call lines them up). The
     # coordinator round trip (a barrier is nothing else) is paid once per tensor by both
@@ -122,7 +122,7 @@ def calibrate(process_set=None, repeats: int = 5, device=None) -> CostModel:
 
     raw = torch.tensor([t_small - t_barrier, t_large - t_barrier, t_add, t_scatter, t_fixed, *t_select],
                        dtype=torch.float64, device=device)
-    raw = collectives.allreduce(raw, op=collectives.Max, name=f"{prefix}.measurements", process_set=process_set)
+    raw = differentiable.allreduce(raw, op=collectives.Max, name=f"{prefix}.measurements", process_set=process_set)
     t_small, t_large, t_add, t_scatter, t_fixed, *t_select = (float(x) for x in raw.cpu().tolist())
     return fit(p, t_small, t_large, t_add, t_scatter, t_select, sparse_fixed=t_fixed)
 
