@@ -1,4 +1,4 @@
-"""The source tree keeps its layout (docs/architecture.md, "Where a new file goes"): which
+"""The source tree keeps its layout (docs/architecture.md, "Where the code lives"): which
 folder may import which, no import cycles, every worker module in one of its three rooms,
 and no torch or MPI in the processes that must not load them.
 
