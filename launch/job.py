@@ -20,7 +20,7 @@ from .processes import die_with_parent, reap_session, signal_session
 #: Signals ringrun forwards to the job (and then, if it lingers, escalates to SIGKILL).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Passed on to mpirun, which passes it to every rank: each prints its threads' stacks
-#: (ringmaster.worker.stack_dumps) and the job goes on.
+#: (ringmaster.worker.runtime.stack_dumps) and the job goes on.
 STACKS_SIGNAL = signal.SIGUSR1
 
 

@@ -24,7 +24,7 @@ autograd bookkeeping.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 import torch
 
