@@ -40,6 +40,11 @@ from ringmaster.proto import ringmaster_pb2 as pb
 
 log = logging.getLogger("ringmaster.coordinator")
 
+#: A stream whose unread responses exceed this multiple of RINGMASTER_MAX_MESSAGE_BYTES
+#: (128 MiB by default) has stopped reading: a rank's receiver thread takes each response
+#: list as it arrives, so this is minutes of traffic, or a client that only writes.
+UNREAD_LIMIT_FACTOR = 8
+
 #: Refused registrations remembered for the start-timeout message (a real rank started with
 #: another -np is refused like any stranger, and the others then time out: this says why).
 REFUSALS_KEPT = 5
@@ -291,8 +296,8 @@ class Coordinator:
     def _refuse(self, session: RankSession, reason: str) -> None:
         """End a stream the job does not need, telling it why; the job is not affected."""
         self._refusals.warn(reason)
-        session.outbox.put_nowait(pb.CoordinatorMessage(abort=pb.Abort(kind=pb.PROTOCOL, reason=reason,
-                                                                       failed_rank=-1)))
+        abort = pb.CoordinatorMessage(abort=pb.Abort(kind=pb.PROTOCOL, reason=reason, failed_rank=-1))
+        session.send(abort, abort.ByteSize())
         session.gone = True
         session.close()
         self._unregistered.discard(session)
@@ -320,8 +325,14 @@ class Coordinator:
                                                                              responses=responses)))
 
     def _broadcast(self, message: pb.CoordinatorMessage) -> None:
-        for session in self._sessions.values():
-            session.outbox.put_nowait(message)
+        size = message.ByteSize()
+        limit = UNREAD_LIMIT_FACTOR * self.config.max_message_bytes
+        for session in list(self._sessions.values()):
+            session.send(message, size)
+            if session.unread_bytes > limit and not session.gone:
+                self._breach(session, f"stopped reading its stream: {session.unread_bytes} bytes of responses "
+                             f"wait for it, more than {UNREAD_LIMIT_FACTOR} x {KNOB}")
+                return
 
     def _abort_job(self, kind: int, reason: str, failed_rank: int = -1, failed_host: str = "",
                    stalled_ranks: Sequence[int] = ()) -> None:
@@ -329,8 +340,9 @@ class Coordinator:
         log.error("aborting the job: %s", reason)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=failed_rank,
                                                      failed_host=failed_host, stalled_ranks=stalled_ranks))
+        size = abort.ByteSize()
         for session in self._sessions.values():
-            session.outbox.put_nowait(abort)
+            session.send(abort, size)
             session.gone = True
             session.close()
         self._sessions.clear()

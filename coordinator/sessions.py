@@ -37,11 +37,17 @@ class RankSession:
         self.said_goodbye = False
         self.gone = False
         self.opened = self.last_seen = time.monotonic()
+        self.unread_bytes = 0  # of messages queued for this stream that gRPC has not taken yet
 
     def describe(self) -> str:
         if self.rank is None:
             return f"an unregistered stream from {self.peer}"
         return f"rank {self.rank} (host {shown(self.hostname)}, pid {self.pid})"
+
+    def send(self, message: pb.CoordinatorMessage, size: int) -> None:
+        """Queue ``message`` (of ``size`` serialized bytes) for this stream."""
+        self.unread_bytes += size
+        self.outbox.put_nowait((message, size))
 
     def close(self) -> None:
         self.outbox.put_nowait(_CLOSE)
@@ -62,10 +68,15 @@ class CoordinatorServicer:
         reader = asyncio.ensure_future(self._coordinator.read_stream(session, request_iterator))
         try:
             while True:
-                message = await session.outbox.get()
-                if message is _CLOSE:
+                item = await session.outbox.get()
+                if item is _CLOSE:
                     return
-                yield message
+                message, size = item
+                session.unread_bytes -= size
+                try:
+                    await context.write(message)
+                except Exception:  # noqa: BLE001 - the peer went away mid-write (gRPC would log a
+                    return         # traceback for a generator's failed write): the stream has ended
         finally:
             reader.cancel()
             self._coordinator.on_disconnect(session)
