@@ -249,15 +249,15 @@ class Negotiator:
         set_id, name = request.process_set_id, request.name
         info = self._sets.get(set_id)
         if info is None:
-            problem = (f"process set {set_id} is not registered (never added, or removed); "
-                       f"register it with add_process_set() on every rank first")
+            problem = (f"process set {set_id} is not registered (never added, or removed), yet rank {rank} "
+                       f"asked for it; register it with add_process_set() on every rank first")
         elif rank not in info.members:
             problem = (f"rank {rank} is not a member of {describe_set(set_id, info.ranks)}; "
                        f"only its members may run its collectives")
         else:
             return True
-        error = _error_response(name, pb.INVALID_REQUEST, f"{OP_NAMES[request.op_type]} '{name}': {problem}",
-                                set_id)
+        error = _error_response(name, pb.INVALID_REQUEST,
+                                f"{OP_NAMES[request.op_type]} '{shown(name)}': {problem}", set_id)
         entry = self._pending.get((set_id, name))
         if entry is not None:  # the whole operation fails on every member, as a mismatch would
             self._finish(entry, error)
