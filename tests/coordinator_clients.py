@@ -86,7 +86,7 @@ class Stream:
     """One ``Negotiate`` call holding the job's token."""
 
     def __init__(self, address: str, secret: str = SECRET, max_message_bytes: int = 16 << 20,
-                 channel: Optional[grpc.Channel] = None):
+                 channel: Optional[grpc.Channel] = None, read: bool = True):
         self._own_channel = channel is None
         self.channel = channel or grpc.insecure_channel(address, options=grpc_options(max_message_bytes))
         self._outgoing: "queue.Queue" = queue.Queue()
@@ -95,7 +95,8 @@ class Stream:
                                           response_deserializer=pb.CoordinatorMessage.FromString)
         self.call = call(iter(self._outgoing.get, _END), metadata=call_metadata(secret))
         self.ended = threading.Event()
-        threading.Thread(target=self._receive, daemon=True).start()
+        if read:  # a stream that never reads its responses leaves them to gRPC's flow control
+            threading.Thread(target=self._receive, daemon=True).start()
 
     def _receive(self) -> None:
         try:
