@@ -270,6 +270,15 @@ class Negotiator:
         self._departed[rank] = who
         for entry in list(self._pending.values()):
             self._fail_if_orphaned(entry)
+        # A group of its set can get no more parts (each needs this rank): what is done goes out.
+        self._release_groups(lambda group: rank in self._sets[group.process_set_id].members)
+
+    def _release_groups(self, hopeless) -> None:
+        """Send the finished parts of every group ``hopeless(group)`` says can never complete."""
+        for key, group in list(self._groups.items()):
+            if hopeless(group):
+                del self._groups[key]
+                self._ready.extend(group.finished)
 
     def _fail_if_orphaned(self, entry: PendingTensor) -> bool:
         """Fail ``entry`` if a rank that shut down never submitted it; True if it may still complete."""
@@ -417,6 +426,7 @@ class Negotiator:
                 entry.name, pb.INVALID_REQUEST,
                 f"{label} was removed while tensor '{entry.name}' still waited for ranks {missing}; "
                 f"synchronize a set's collectives before removing it", set_id))
+        self._release_groups(lambda group: group.process_set_id == set_id)
         return pb.Response(op_type=pb.PROCESS_SET_REMOVE, names=[name],
                            set_change=pb.ProcessSetSpec(id=set_id, ranks=info.ranks))
 

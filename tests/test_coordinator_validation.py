@@ -132,6 +132,18 @@ def test_a_group_missing_parts_no_rank_declared_is_a_stall_naming_who_declared_f
     assert negotiator.pop_ready() == []  # still held together
 
 
+def test_a_group_a_departed_rank_can_never_complete_is_released_with_what_is_done():
+    negotiator = Negotiator(2)
+    for rank in range(2):
+        negotiator.add_request(rank, request("g.0", group="g", group_size=3))
+    negotiator.add_request(0, request("g.1", group="g", group_size=3))
+    assert negotiator.pop_ready() == []
+    negotiator.depart(1, "host h, pid 9")
+    responses = negotiator.pop_ready()
+    assert [(list(r.names), r.error_kind) for r in responses] == [(["g.0"], pb.NO_ERROR), (["g.1"], pb.RANK_FAILED)]
+    assert negotiator.stalls(0, only_new=False) == []
+
+
 def test_join_is_watched_while_the_others_make_no_progress_with_the_joined_rank():
     now = [0.0]
     negotiator = Negotiator(2, clock=lambda: now[0])
