@@ -20,12 +20,11 @@ by :meth:`Negotiator.stalls`: tensors, groups still missing parts, and ranks wai
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from ringmaster.coordinator.validation import (OP_NAMES, REDUCE_NAMES, WIRE_ITEMSIZE, Problem,
-                                               request_problem, shown)
+from ringmaster.coordinator.fusion import fuse_responses
+from ringmaster.coordinator.validation import OP_NAMES, REDUCE_NAMES, Problem, request_problem, shown
 from ringmaster.proto import ringmaster_pb2 as pb
 
 #: Longest error message a response carries (mismatches list every rank's value); longer
@@ -271,7 +270,8 @@ class Negotiator:
         for entry in list(self._pending.values()):
             self._fail_if_orphaned(entry)
         # A group of its set can get no more parts (each needs this rank): what is done goes out.
-        self._release_groups(lambda group: rank in self._sets[group.process_set_id].members)
+        everyone = self._sets[GLOBAL_SET]
+        self._release_groups(lambda group: rank in self._sets.get(group.process_set_id, everyone).members)
 
     def _release_groups(self, hopeless) -> None:
         """Send the finished parts of every group ``hopeless(group)`` says can never complete."""
@@ -534,35 +534,6 @@ class Negotiator:
 _STALL_KINDS = {pb.PROCESS_SET_ADD: "add_process_set", pb.PROCESS_SET_REMOVE: "remove_process_set"}
 
 
-def fuse_responses(responses: Sequence[pb.Response], threshold_bytes: int) -> List[pb.Response]:
-    """Pack allreduce responses of the same kind into fused responses up to the threshold.
-
-    A fused response takes the place of its first member; other responses keep their order.
-    """
-    fused: List[pb.Response] = []
-    open_buckets: Dict[tuple, tuple] = {}  # kind -> (response, bytes so far)
-    for response in responses:
-        if response.op_type != pb.ALLREDUCE or response.error_kind != pb.NO_ERROR:
-            fused.append(response)
-            continue
-        nbytes = tensor_bytes(response)
-        kind = (response.process_set_id, response.dtype, response.device, response.reduce_op,
-                response.prescale_factor, response.postscale_factor, tuple(response.joined_ranks),
-                response.compression)
-        bucket = open_buckets.get(kind)
-        if bucket is not None and bucket[1] + nbytes <= threshold_bytes:
-            target, total = bucket
-            target.names.extend(response.names)
-            target.shapes.extend(response.shapes)
-            open_buckets[kind] = (target, total + nbytes)
-            continue
-        copy = pb.Response()
-        copy.CopyFrom(response)
-        fused.append(copy)
-        open_buckets[kind] = (copy, nbytes)
-    return fused
-
-
 def _compression_problem(request: pb.TensorRequest) -> Optional[str]:
     """Why the request's wire format cannot be used, or None."""
     if not request.compression:
@@ -577,12 +548,6 @@ def _compression_problem(request: pb.TensorRequest) -> Optional[str]:
     if request.dtype not in FLOATING_DTYPES:
         return f"{what}: 8-bit wire formats take floating-point tensors, not {request.dtype}"
     return None
-
-
-def tensor_bytes(response: pb.Response) -> int:
-    """Bytes the tensors of ``response`` occupy on the wire."""
-    itemsize = WIRE_ITEMSIZE.get(response.dtype, 8)
-    return sum(math.prod(shape.dims) * itemsize for shape in response.shapes)
 
 
 def _error_response(name: str, kind: int, message: str, process_set_id: int = GLOBAL_SET) -> pb.Response:
