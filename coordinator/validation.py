@@ -137,13 +137,13 @@ def shown(text: str, limit: int = 80) -> str:
 def _name_problem(field: str, name: str) -> Optional[Problem]:
     if not name:
         return Problem(field, "''", "every request needs a name")
-    if len(name.encode()) > MAX_NAME_BYTES:
+    if len(name) > MAX_NAME_BYTES // 4 and len(name.encode()) > MAX_NAME_BYTES:  # UTF-8: <= 4 bytes a character
         return Problem(field, f"'{shown(name, 40)}'", f"longer than {MAX_NAME_BYTES} bytes")
     return None
 
 
 def _text_problem(field: str, text: str) -> Optional[Problem]:
-    if len(text.encode()) > MAX_TAG_BYTES:
+    if len(text) > MAX_TAG_BYTES // 4 and len(text.encode()) > MAX_TAG_BYTES:
         return Problem(field, f"'{shown(text, 40)}'", f"longer than {MAX_TAG_BYTES} bytes")
     return None
 
@@ -174,10 +174,10 @@ def _group_problem(request: pb.TensorRequest, max_group_size: int) -> Optional[P
 
 
 def _scale_problem(request: pb.TensorRequest) -> Optional[Problem]:
-    for field in ("prescale_factor", "postscale_factor"):
-        value = getattr(request, field)
-        if not math.isfinite(value):
-            return Problem(field, str(value), "a finite number")
+    if not math.isfinite(request.prescale_factor):
+        return Problem("prescale_factor", str(request.prescale_factor), "a finite number")
+    if not math.isfinite(request.postscale_factor):
+        return Problem("postscale_factor", str(request.postscale_factor), "a finite number")
     return None
 
 
@@ -188,7 +188,7 @@ def _tensor_problem(request: pb.TensorRequest) -> Optional[Problem]:
     shape = request.shape
     if len(shape) > MAX_DIMS:
         return Problem("shape", f"{len(shape)} dimensions", f"at most {MAX_DIMS}")
-    if any(dim < 0 for dim in shape):
+    if shape and min(shape) < 0:
         return Problem("shape", _short_list(shape), "dimensions are >= 0")
     if math.prod(shape) * WIRE_ITEMSIZE[dtype] > MAX_TENSOR_BYTES:
         return Problem("shape", _short_list(shape), f"{dtype} of this shape takes more than 2^63-1 bytes")
