@@ -157,7 +157,7 @@ class Coordinator:
             async for raw in request_iterator:
                 session.last_seen = time.monotonic()
                 self._receive(session, raw)
-                if session.gone:
+                if session.gone or session.closing:
                     return
                 self._after_input()
         except (grpc.RpcError, asyncio.CancelledError):
@@ -298,8 +298,8 @@ class Coordinator:
         self._refusals.warn(reason)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=pb.PROTOCOL, reason=reason, failed_rank=-1))
         session.send(abort, abort.ByteSize())
-        session.gone = True
-        session.close()
+        session.closing = True
+        session.close()  # on_disconnect follows, and frees the slot of a rank that had said goodbye
         self._unregistered.discard(session)
 
     def _end_generation(self) -> None:
@@ -329,7 +329,7 @@ class Coordinator:
         limit = UNREAD_LIMIT_FACTOR * self.config.max_message_bytes
         for session in list(self._sessions.values()):
             session.send(message, size)
-            if session.unread_bytes > limit and not session.gone:
+            if session.unread_bytes > limit and not (session.gone or session.closing):
                 self._breach(session, f"stopped reading its stream: {session.unread_bytes} bytes of responses "
                              f"wait for it, more than {UNREAD_LIMIT_FACTOR} x {KNOB}")
                 return
@@ -379,12 +379,12 @@ class Coordinator:
                                 f"{self.config.heartbeat_timeout_s:g}): it hangs or its host is unreachable",
                                 session.rank, session.hostname)
                 return
-        for line in warning_lines(self._negotiator.stalls(self.config.stall_warning_s), self._host_of):
+        for line in warning_lines(self._stalls(self.config.stall_warning_s), self._host_of):
             log.warning("%s", line)
         for stall in self._plan_stalls.stalls(self.config.stall_warning_s, self._negotiator.set_ranks):
             log.warning("stall: %s", self._describe_plan_stall(stall))
         if self.config.stall_shutdown_s > 0:
-            stalls = self._negotiator.stalls(self.config.stall_shutdown_s, only_new=False)
+            stalls = self._stalls(self.config.stall_shutdown_s, only_new=False)
             if stalls:
                 stalls.sort(key=lambda stall: -stall.seconds)
                 self._abort_job(pb.STALLED, shutdown_reason(stalls, self.config.stall_shutdown_s), -1,
@@ -396,6 +396,14 @@ class Coordinator:
                                 f"(RINGMASTER_STALL_SHUTDOWN_S={self.config.stall_shutdown_s:g})", -1,
                                 stalled_ranks=stall.missing_ranks)
                 return
+
+    def _stalls(self, older_than_s: float, only_new: bool = True):
+        """The negotiator's stalls, but not join()'s while a joined rank serves a gradient plan."""
+        stalls = self._negotiator.stalls(older_than_s, only_new)
+        if any(stall.kind == "join" for stall in stalls):
+            serving = self._plan_stalls.serving_ranks()
+            stalls = [s for s in stalls if not (s.kind == "join" and serving.intersection(s.waiting_ranks))]
+        return stalls
 
     def _new_negotiator(self) -> Negotiator:
         return Negotiator(self.size, self.config.fusion_threshold_bytes,

@@ -35,7 +35,8 @@ class RankSession:
         self.hostname = "?"
         self.pid = 0
         self.said_goodbye = False
-        self.gone = False
+        self.closing = False  # refused: nothing more it sends is read
+        self.gone = False     # its stream has ended (or the job was aborted)
         self.opened = self.last_seen = time.monotonic()
         self.unread_bytes = 0  # of messages queued for this stream that gRPC has not taken yet
 

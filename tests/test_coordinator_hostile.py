@@ -170,6 +170,15 @@ def test_a_stream_the_job_does_not_need_is_refused_and_the_job_goes_on(start, me
     assert words in daemon.log() and "the job goes on" in daemon.log() or "refused a stream" in daemon.log()
 
 
+def test_a_rank_sending_more_after_its_goodbye_is_refused_and_the_job_still_ends_cleanly(start):
+    daemon, ranks = registered_job(start)
+    ranks[1].goodbye()
+    ranks[0].goodbye()
+    ranks[0].send(b"more bytes after the goodbye")
+    ranks[0].declare(allreduce("after.goodbye"))
+    assert daemon.wait(10) == 0  # every rank said goodbye: the coordinator finishes
+
+
 def test_a_registration_with_the_wrong_size_does_not_take_a_slot_before_the_job_starts(start):
     daemon = start()
     stranger = extra_stream(start, daemon)
@@ -262,6 +271,18 @@ def test_ranks_waiting_in_join_are_watched(start):
     assert abort.kind == pb.STALLED and "join() on ranks [1] stalled" in abort.reason
     assert list(abort.stalled_ranks) == [0]
     assert "stall: ranks [1] have waited" in daemon.log() and "in join()" in daemon.log()
+
+
+def test_join_is_not_a_stall_while_the_joined_rank_serves_a_gradient_plan(start):
+    """The plan's steps are not negotiated: the others may be training with it all along."""
+    daemon, ranks = registered_job(start, RINGMASTER_STALL_WARNING_S="1", RINGMASTER_STALL_SHUTDOWN_S="2",
+                                   RINGMASTER_HEARTBEAT_INTERVAL_S="0.5")
+    ranks[1].declare(pb.TensorRequest(name="join", op_type=pb.JOIN))
+    for _ in range(10):  # 5 s, past the shutdown limit
+        ranks[1].heartbeat(pb.PlanWait(name="DistributedOptimizer.plan.0", joined=True))
+        time.sleep(0.5)
+    round_trip(ranks, "still.running")  # rank 1 joined: rank 0's allreduce runs with it standing in
+    assert "join()" not in daemon.log()
 
 
 def test_a_process_set_change_some_ranks_never_make_is_watched(start):
