@@ -10,7 +10,11 @@ from ringmaster.coordinator.outgoing import response_lists
 from ringmaster.coordinator.stall_report import MAX_LINES, shutdown_reason, warning_lines
 from ringmaster.coordinator.validation import heartbeat_problem, register_problem, request_problem, shown
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.outbox import Outbox
+
+try:  # the worker's runtime room (worker/runtime/), or the flat worker/ before it
+    from ringmaster.worker.runtime.outbox import Outbox
+except ImportError:
+    from ringmaster.worker.outbox import Outbox
 
 pytestmark = pytest.mark.timeout(30)
 
