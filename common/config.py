@@ -48,6 +48,11 @@ class Config:
             for ``step()``), or ``"auto"``: all when each rank has a core to spare beyond
             its torch threads, else small (on busy cores overlap costs the backward pass
             more than it saves: docs/benchmarks.md).
+        max_message_bytes: the largest message a rank or the coordinator sends the other;
+            longer request and response lists go as several messages (default 16 MiB; see
+            ``ringmaster.common.message_size``).
+        max_pending_requests: how many tensors one rank may have declared that still wait for
+            other ranks; a request beyond it fails with an error naming the cap (default 65536).
     """
 
     coordinator_addr: Optional[str] = None
@@ -69,6 +74,8 @@ class Config:
     background_nice: int = 19
     gradient_plan: bool = True
     plan_overlap: str = "auto"
+    max_message_bytes: int = 16 * MIB
+    max_pending_requests: int = 65536
 
 
 # environment variable -> (Config field, parser)
@@ -94,6 +101,27 @@ def _nonnegative_int(value: str) -> int:
     number = int(value)
     if number < 0:
         raise ValueError("must be >= 0")
+    return number
+
+
+#: The smallest message limit: the largest single request the coordinator accepts (a 4 KiB
+#: name, 64 dimensions, a group name) and its responses fit many times over.
+MIN_MESSAGE_BYTES = 64 * 1024
+#: The largest: gRPC accepts twice the limit (common/message_size.py), and lengths are int32.
+MAX_MESSAGE_BYTES = 1 << 30
+
+
+def _message_bytes(value: str) -> int:
+    number = int(value)
+    if not MIN_MESSAGE_BYTES <= number <= MAX_MESSAGE_BYTES:
+        raise ValueError(f"must be a number of bytes from {MIN_MESSAGE_BYTES} (64 KiB) to {MAX_MESSAGE_BYTES} (1 GiB)")
+    return number
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError("must be a whole number >= 1")
     return number
 
 
@@ -158,6 +186,8 @@ ENVIRONMENT = {
     "RINGMASTER_BACKGROUND_NICE": ("background_nice", _nice),
     "RINGMASTER_GRADIENT_PLAN": ("gradient_plan", _switch),
     "RINGMASTER_PLAN_OVERLAP": ("plan_overlap", _plan_overlap),
+    "RINGMASTER_MAX_MESSAGE_BYTES": ("max_message_bytes", _message_bytes),
+    "RINGMASTER_MAX_PENDING_REQUESTS": ("max_pending_requests", _positive_int),
 }
 
 

@@ -37,6 +37,16 @@ class PlanStalls:
         """Rank ``rank``'s heartbeat: the plans it waits in now (replaces its previous report)."""
         self._reports[rank] = (self._clock(), list(plans))
 
+    def serving_ranks(self) -> set:
+        """Ranks whose latest report says they have joined and serve a plan's steps.
+
+        Those steps are not negotiated, so while a joined rank serves them the others may be
+        training without the coordinator seeing any progress: not a stall of ``join()``.
+        """
+        now = self._clock()
+        return {rank for rank, (received, plans) in self._reports.items()
+                if now - received <= self._stale_after_s and any(plan.joined for plan in plans)}
+
     def forget(self, rank: int) -> None:
         """Rank ``rank`` has left the job."""
         self._reports.pop(rank, None)

@@ -6,73 +6,48 @@ response lists to every rank, with no thread hand-offs on the way (each costs a 
 hundreds of microseconds per collective). A housekeeping task on the same loop watches
 heartbeats, stalls and the start timeout. The loop runs on its own thread, so the daemon
 can also live inside another process (tests, or a rank-0 coordinator).
+
+It trusts nothing it is sent. A message over the size limit, bytes that do not decode, a
+second registration, or a registration for a rank the stream does not hold are protocol
+breaches: the stream that sent them is ended with a ``PROTOCOL`` reason naming what it did,
+and the job ends only if that stream held a rank the job needs (the reason then says so).
+A stream that never registered cannot affect the job. Bad fields of a request fail only
+that tensor (:mod:`ringmaster.coordinator.validation`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Set
 
 import grpc
 
 from ringmaster.common.config import Config
+from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.coordinator.auth import TokenInterceptor
-from ringmaster.coordinator.negotiation import Negotiator, Stall, describe_set
+from ringmaster.coordinator.negotiation import Negotiator, Stall
+from ringmaster.coordinator.outgoing import response_lists
 from ringmaster.coordinator.plan_stalls import PlanStalls
+from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
+from ringmaster.coordinator.stall_report import in_set as _in_set
+from ringmaster.coordinator.stall_report import shutdown_reason, warning_lines
+from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
 
 log = logging.getLogger("ringmaster.coordinator")
 
-_CLOSE = object()  # tells a stream handler to end its response stream
+#: A stream whose unread responses exceed this multiple of RINGMASTER_MAX_MESSAGE_BYTES
+#: (128 MiB by default) has stopped reading: a rank's receiver thread takes each response
+#: list as it arrives, so this is minutes of traffic, or a client that only writes.
+UNREAD_LIMIT_FACTOR = 8
 
-
-class RankSession:
-    """One rank's stream: its identity once registered, and its outgoing messages."""
-
-    def __init__(self, peer: str):
-        self.peer = peer
-        self.outbox: "asyncio.Queue" = asyncio.Queue()
-        self.rank: Optional[int] = None
-        self.hostname = "?"
-        self.pid = 0
-        self.said_goodbye = False
-        self.gone = False
-        self.last_seen = time.monotonic()
-
-    def describe(self) -> str:
-        if self.rank is None:
-            return f"an unregistered rank at {self.peer}"
-        return f"rank {self.rank} (host {self.hostname}, pid {self.pid})"
-
-    def close(self) -> None:
-        self.outbox.put_nowait(_CLOSE)
-
-
-class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    """gRPC face of the coordinator."""
-
-    def __init__(self, coordinator: "Coordinator"):
-        self._coordinator = coordinator
-
-    async def Ping(self, request, context):
-        return pb.Empty()
-
-    async def Negotiate(self, request_iterator, context):
-        session = RankSession(context.peer())
-        reader = asyncio.ensure_future(self._coordinator.read_stream(session, request_iterator))
-        try:
-            while True:
-                message = await session.outbox.get()
-                if message is _CLOSE:
-                    return
-                yield message
-        finally:
-            reader.cancel()
-            self._coordinator.on_disconnect(session)
+#: Refused registrations remembered for the start-timeout message (a real rank started with
+#: another -np is refused like any stranger, and the others then time out: this says why).
+REFUSALS_KEPT = 5
 
 
 class Coordinator:
@@ -101,7 +76,10 @@ class Coordinator:
         self.exit_code = 0
         self._secret = secret
         self._sessions: Dict[int, RankSession] = {}
-        self._negotiator = Negotiator(size, config.fusion_threshold_bytes)
+        self._unregistered: Set[RankSession] = set()
+        self._refusals = RefusalLog()
+        self._refused_registrations: "collections.deque" = collections.deque(maxlen=REFUSALS_KEPT)
+        self._negotiator = self._new_negotiator()
         self._plan_stalls = self._new_plan_stalls()
         self._sequence = 0
         self._welcomed = False
@@ -142,8 +120,8 @@ class Coordinator:
         self._stopping = asyncio.Event()
         self._grace = 1.0
         server = grpc.aio.server(interceptors=[TokenInterceptor(self._secret)],
-                                 options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self), server)
+                                 options=[("grpc.so_reuseport", 0)] + grpc_options(self.config.max_message_bytes))
+        server.add_generic_rpc_handlers((method_handlers(CoordinatorServicer(self)),))
         try:
             self.port = server.add_insecure_port(_join_host_port(self.bind_host, self.port))
             await server.start()
@@ -170,36 +148,71 @@ class Coordinator:
         self._loop.call_later(0.5, self._begin_stop, 1.0)
 
     # ------------------------------------------------------------- streams
+    def on_connect(self, session: RankSession) -> None:
+        self._unregistered.add(session)
+
     async def read_stream(self, session: RankSession, request_iterator) -> None:
-        """Every message of one rank's stream, handled as it arrives."""
+        """Every message of one stream, handled as it arrives."""
         try:
-            async for message in request_iterator:
+            async for raw in request_iterator:
                 session.last_seen = time.monotonic()
-                self._handle(session, message)
-                if session.gone:
+                self._receive(session, raw)
+                if session.gone or session.closing:
                     return
                 self._after_input()
         except (grpc.RpcError, asyncio.CancelledError):
             pass
-        except Exception:  # noqa: BLE001 - a broken stream is reported as a disconnect
-            log.exception("error reading the stream of %s", session.describe())
+        except Exception as error:  # noqa: BLE001 - a coordinator bug: described, never a silent hang
+            log.debug("internal error on the stream of %s", session.describe(), exc_info=True)
+            reason = (f"the coordinator failed on a message from {session.describe()} ({type(error).__name__}: "
+                      f"{error}); this is a ringmaster bug, please report it with this message")
+            if self._needs(session):
+                self._abort_job(pb.PROTOCOL, reason, session.rank, session.hostname)
+            else:
+                self._refuse(session, reason)
         session.close()
+
+    def _receive(self, session: RankSession, raw: bytes) -> None:
+        """Check the size, decode, and handle one message."""
+        limit = self.config.max_message_bytes
+        if len(raw) > limit:
+            self._breach(session, f"sent a message of {len(raw)} bytes, over the {limit}-byte limit {KNOB}; "
+                         f"ringmaster's ranks cut longer request lists, so the sender runs another client or "
+                         f"another limit than the coordinator")
+            return
+        try:
+            message = pb.RankMessage.FromString(raw)
+        except Exception as error:  # noqa: BLE001 - DecodeError and anything else protobuf raises
+            self._breach(session, f"sent {len(raw)} bytes that do not decode as a RankMessage "
+                         f"({type(error).__name__}: {error})")
+            return
+        self._handle(session, message)
 
     def _handle(self, session: RankSession, message: pb.RankMessage) -> None:
         which = message.WhichOneof("kind")
         if which == "register":
             self._on_register(session, message.register)
+        elif which is None:
+            self._breach(session, "sent a message with none of register, requests, heartbeat or goodbye "
+                         "(another version of ringmaster?)")
         elif session.rank is None:
-            self._abort_session(session, pb.PROTOCOL, "the first message on a stream must be a registration")
+            self._breach(session, f"sent {which} before registering; the first message on a stream must be "
+                         f"a registration")
+        elif session.said_goodbye:
+            self._breach(session, f"sent {which} after its goodbye")
         elif which == "requests":
             for request in message.requests.requests:
                 self._negotiator.add_request(session.rank, request)
         elif which == "heartbeat":
+            problem = heartbeat_problem(message.heartbeat)
+            if problem is not None:
+                self._breach(session, f"sent a heartbeat with {problem.describe()}")
+                return
             self._plan_stalls.report(session.rank, message.heartbeat.plans)
         elif which == "goodbye":
             session.said_goodbye = True
             session.close()
-            self._negotiator.depart(session.rank, f"host {session.hostname}, pid {session.pid}")
+            self._negotiator.depart(session.rank, f"host {shown(session.hostname)}, pid {session.pid}")
             self._plan_stalls.forget(session.rank)
 
     def _after_input(self) -> None:
@@ -214,15 +227,32 @@ class Coordinator:
         self._send_ready()
 
     def _on_register(self, session: RankSession, register: pb.Register) -> None:
-        if register.size != self.size:
-            self._abort_job(pb.PROTOCOL, f"rank {register.rank} on {register.hostname} believes the job "
-                            f"has {register.size} ranks, but this coordinator serves {self.size}: "
-                            f"launch every rank with the same -np", register.rank, register.hostname)
+        """Give the stream its rank, or refuse the stream (not the job) with the reason."""
+        if session.rank is not None:
+            self._breach(session, f"sent a second registration (as rank {register.rank}) on a stream "
+                         f"already registered as rank {session.rank}")
             return
-        if not 0 <= register.rank < self.size or register.rank in self._sessions:
-            self._abort_session(session, pb.PROTOCOL, f"rank {register.rank} is already connected or "
-                                f"outside 0..{self.size - 1}")
+        who = (f"a stream from {session.peer} registering as rank {register.rank} (host "
+               f"{shown(register.hostname)}, pid {register.pid}, a job of {register.size} ranks)")
+        problem = register_problem(register)
+        holder = self._sessions.get(register.rank)
+        if problem is not None:
+            why = f"its registration has {problem.describe()}"
+        elif self.finished.is_set():
+            why = "the job is over"
+        elif not 0 <= register.rank < self.size:
+            why = f"this job's ranks are 0..{self.size - 1}"
+        elif holder is not None:
+            why = f"rank {register.rank} is already registered by {holder.describe()}"
+        elif register.size != self.size:
+            why = f"this coordinator serves a job of {self.size} ranks: launch every rank with the same -np"
+            self._refused_registrations.append(f"{who}: {why}")
+        else:
+            why = None
+        if why is not None:
+            self._refuse(session, f"refused {who}: {why}")
             return
+        self._unregistered.discard(session)
         session.rank, session.hostname, session.pid = register.rank, register.hostname, register.pid
         self._sessions[register.rank] = session
         log.info("%s registered (%d/%d)", session.describe(), len(self._sessions), self.size)
@@ -235,20 +265,42 @@ class Coordinator:
             self._broadcast(pb.CoordinatorMessage(welcome=welcome))
 
     def on_disconnect(self, session: RankSession) -> None:
-        """A stream ended: fine after a goodbye, otherwise the rank failed."""
+        """A stream ended: fine after a goodbye or for a stream the job does not need, else the rank failed."""
+        self._unregistered.discard(session)
         if session.gone:
             return
         session.gone = True
-        if session.rank is None or self._sessions.get(session.rank) is not session:
-            return
-        if not session.said_goodbye:
+        if self._needs(session):
             self._abort_job(pb.RANK_FAILED, f"{session.describe()} lost its connection to the coordinator "
                             f"without shutting down: the process crashed, was killed or its host is gone",
                             session.rank, session.hostname)
-            return
-        del self._sessions[session.rank]
-        if not self._sessions:
-            self._end_generation()
+        elif session.said_goodbye and self._sessions.get(session.rank) is session:
+            del self._sessions[session.rank]
+            if not self._sessions:
+                self._end_generation()
+
+    def _needs(self, session: RankSession) -> bool:
+        """True if ``session`` holds a rank of the running job that has not said goodbye."""
+        return (session.rank is not None and self._sessions.get(session.rank) is session
+                and not session.said_goodbye)
+
+    def _breach(self, session: RankSession, what: str) -> None:
+        """``session`` broke the protocol: end its stream, and the job if the job needs its rank."""
+        reason = f"{session.describe()} broke the protocol: it {what}"
+        if self._needs(session):
+            self._abort_job(pb.PROTOCOL, f"{reason}. The job cannot go on without rank {session.rank}",
+                            session.rank, session.hostname)
+        else:
+            self._refuse(session, f"{reason}; its stream was closed and the job goes on")
+
+    def _refuse(self, session: RankSession, reason: str) -> None:
+        """End a stream the job does not need, telling it why; the job is not affected."""
+        self._refusals.warn(reason)
+        abort = pb.CoordinatorMessage(abort=pb.Abort(kind=pb.PROTOCOL, reason=reason, failed_rank=-1))
+        session.send(abort, abort.ByteSize())
+        session.closing = True
+        session.close()  # on_disconnect follows, and frees the slot of a rank that had said goodbye
+        self._unregistered.discard(session)
 
     def _end_generation(self) -> None:
         """Every rank shut down cleanly: finish, or wait for the job's next init()."""
@@ -256,7 +308,7 @@ class Coordinator:
         if not self.persistent:
             self._finish()
             return
-        self._negotiator = Negotiator(self.size, self.config.fusion_threshold_bytes)
+        self._negotiator = self._new_negotiator()
         self._plan_stalls = self._new_plan_stalls()
         self._sequence = 0
         self._welcomed = False
@@ -267,21 +319,20 @@ class Coordinator:
         if self._flush_scheduled is not None:
             self._flush_scheduled.cancel()
             self._flush_scheduled = None
-        responses = self._negotiator.pop_ready()
-        if not responses:
-            return
-        self._sequence += 1
-        self._broadcast(pb.CoordinatorMessage(responses=pb.ResponseList(sequence=self._sequence,
-                                                                         responses=responses)))
+        for responses in response_lists(self._negotiator.pop_ready(), self.config.max_message_bytes):
+            self._sequence += 1
+            self._broadcast(pb.CoordinatorMessage(responses=pb.ResponseList(sequence=self._sequence,
+                                                                             responses=responses)))
 
     def _broadcast(self, message: pb.CoordinatorMessage) -> None:
-        for session in self._sessions.values():
-            session.outbox.put_nowait(message)
-
-    def _abort_session(self, session: RankSession, kind: int, reason: str) -> None:
-        session.outbox.put_nowait(pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=-1)))
-        session.gone = True
-        session.close()
+        size = message.ByteSize()
+        limit = UNREAD_LIMIT_FACTOR * self.config.max_message_bytes
+        for session in list(self._sessions.values()):
+            session.send(message, size)
+            if session.unread_bytes > limit and not (session.gone or session.closing):
+                self._breach(session, f"stopped reading its stream: {session.unread_bytes} bytes of responses "
+                             f"wait for it, more than {UNREAD_LIMIT_FACTOR} x {KNOB}")
+                return
 
     def _abort_job(self, kind: int, reason: str, failed_rank: int = -1, failed_host: str = "",
                    stalled_ranks: Sequence[int] = ()) -> None:
@@ -289,8 +340,9 @@ class Coordinator:
         log.error("aborting the job: %s", reason)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=failed_rank,
                                                      failed_host=failed_host, stalled_ranks=stalled_ranks))
+        size = abort.ByteSize()
         for session in self._sessions.values():
-            session.outbox.put_nowait(abort)
+            session.send(abort, size)
             session.gone = True
             session.close()
         self._sessions.clear()
@@ -307,12 +359,18 @@ class Coordinator:
 
     def _check_health(self) -> None:
         now = time.monotonic()
+        self._refusals.tick()
+        for session in [s for s in self._unregistered if now - s.opened > self.config.start_timeout_s]:
+            self._refuse(session, f"{session.describe()} did not register within {self.config.start_timeout_s:g} s "
+                         f"(RINGMASTER_START_TIMEOUT); its stream was closed and the job goes on")
         if not self._welcomed:
             if self._sessions and now - self._generation_started > self.config.start_timeout_s:
                 missing = [r for r in range(self.size) if r not in self._sessions]
+                refused = "".join(f"; {refusal}" for refusal in self._refused_registrations)
                 self._abort_job(pb.START_TIMEOUT, f"ranks {missing} did not connect to the coordinator within "
                                 f"{self.config.start_timeout_s:g} s (RINGMASTER_START_TIMEOUT / ringrun "
-                                f"--start-timeout); check that every rank was started and can reach {self.address}")
+                                f"--start-timeout); check that every rank was started and can reach "
+                                f"{self.address}{refused}")
             return
         for session in list(self._sessions.values()):
             if now - session.last_seen > self.config.heartbeat_timeout_s:
@@ -321,19 +379,16 @@ class Coordinator:
                                 f"{self.config.heartbeat_timeout_s:g}): it hangs or its host is unreachable",
                                 session.rank, session.hostname)
                 return
-        for stall in self._negotiator.stalls(self.config.stall_warning_s):
-            log.warning("stall: tensor '%s'%s has waited %.0f s: ranks %s are ready, ranks %s (%s) have not "
-                        "submitted it. One rank may be running a different code path, or be stuck or slow.",
-                        stall.name, _in_set(stall), stall.seconds, stall.waiting_ranks, stall.missing_ranks,
-                        ", ".join(self._host_of(r) for r in stall.missing_ranks))
+        for line in warning_lines(self._stalls(self.config.stall_warning_s), self._host_of):
+            log.warning("%s", line)
         for stall in self._plan_stalls.stalls(self.config.stall_warning_s, self._negotiator.set_ranks):
             log.warning("stall: %s", self._describe_plan_stall(stall))
         if self.config.stall_shutdown_s > 0:
-            for stall in self._negotiator.stalls(self.config.stall_shutdown_s, only_new=False):
-                self._abort_job(pb.STALLED, f"tensor '{stall.name}'{_in_set(stall)} stalled for "
-                                f"{stall.seconds:.0f} s (RINGMASTER_STALL_SHUTDOWN_S="
-                                f"{self.config.stall_shutdown_s:g}): ranks {stall.missing_ranks} never "
-                                f"submitted it", -1, stalled_ranks=stall.missing_ranks)
+            stalls = self._stalls(self.config.stall_shutdown_s, only_new=False)
+            if stalls:
+                stalls.sort(key=lambda stall: -stall.seconds)
+                self._abort_job(pb.STALLED, shutdown_reason(stalls, self.config.stall_shutdown_s), -1,
+                                stalled_ranks=stalls[0].missing_ranks)
                 return
             for stall in self._plan_stalls.stalls(self.config.stall_shutdown_s, self._negotiator.set_ranks,
                                                   only_new=False):
@@ -341,6 +396,18 @@ class Coordinator:
                                 f"(RINGMASTER_STALL_SHUTDOWN_S={self.config.stall_shutdown_s:g})", -1,
                                 stalled_ranks=stall.missing_ranks)
                 return
+
+    def _stalls(self, older_than_s: float, only_new: bool = True):
+        """The negotiator's stalls, but not join()'s while a joined rank serves a gradient plan."""
+        stalls = self._negotiator.stalls(older_than_s, only_new)
+        if any(stall.kind == "join" for stall in stalls):
+            serving = self._plan_stalls.serving_ranks()
+            stalls = [s for s in stalls if not (s.kind == "join" and serving.intersection(s.waiting_ranks))]
+        return stalls
+
+    def _new_negotiator(self) -> Negotiator:
+        return Negotiator(self.size, self.config.fusion_threshold_bytes,
+                          max_pending_requests=self.config.max_pending_requests)
 
     def _new_plan_stalls(self) -> PlanStalls:
         # A rank waiting in a plan is idle on its stream, so it sends a heartbeat every interval.
@@ -358,12 +425,7 @@ class Coordinator:
 
     def _host_of(self, rank: int) -> str:
         session = self._sessions.get(rank)
-        return f"rank {rank} on {session.hostname}" if session else f"rank {rank}"
-
-
-def _in_set(stall: Stall) -> str:
-    """' in process set N (ranks [...])' for a stall outside the global set, else ''."""
-    return f" in {describe_set(stall.process_set_id, stall.set_ranks)}" if stall.process_set_id else ""
+        return f"rank {rank} on {shown(session.hostname)}" if session else f"rank {rank}"
 
 
 def _join_host_port(host: str, port: int) -> str:

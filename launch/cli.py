@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--background-nice", type=_number(int, 0, True), metavar="N",
                         help="nice value 0-19 of each rank's communication thread (default 19: it uses "
                              "the cycles training leaves; 0: equal priority)")
+    tuning.add_argument("--max-message-mb", type=_number(float, 0, False), metavar="MB",
+                        help="largest message between a rank and the coordinator in MiB (default 16; "
+                             "longer request and response lists go as several messages)")
+    tuning.add_argument("--max-pending-requests", type=_number(int, 1, True), metavar="N",
+                        help="tensors one rank may have waiting for other ranks (default 65536)")
     tuning.add_argument("--timeline-filename", metavar="PATH",
                         help="record a Chrome-tracing timeline of every tensor to PATH ({rank} in PATH: "
                              "one file per rank; otherwise rank 0's)")
@@ -220,6 +225,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         network_interface=args.network_interface, verbose=args.verbose,
         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
         timeline_filename=args.timeline_filename, background_nice=args.background_nice,
+        max_message_mb=args.max_message_mb, max_pending_requests=args.max_pending_requests,
     )
     base_env = base_environment(environ, tuning)
     config = validated_config(base_env)

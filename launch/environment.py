@@ -38,11 +38,13 @@ def tuning_environment(
     heartbeat_timeout_s: Optional[float] = None,
     timeline_filename: Optional[str] = None,
     background_nice: Optional[int] = None,
+    max_message_mb: Optional[float] = None,
+    max_pending_requests: Optional[int] = None,
 ) -> Dict[str, str]:
     """The ``RINGMASTER_*`` variables for the tuning flags that were given (``None``: not given).
 
-    ``fusion_threshold_mb`` is in MiB on the command line and in bytes in
-    ``RINGMASTER_FUSION_THRESHOLD``.
+    ``fusion_threshold_mb`` and ``max_message_mb`` are in MiB on the command line and in
+    bytes in ``RINGMASTER_FUSION_THRESHOLD`` and ``RINGMASTER_MAX_MESSAGE_BYTES``.
     """
     env: Dict[str, str] = {}
     if fusion_threshold_mb is not None:
@@ -69,6 +71,10 @@ def tuning_environment(
         env["RINGMASTER_TIMELINE"] = timeline_filename
     if background_nice is not None:
         env["RINGMASTER_BACKGROUND_NICE"] = str(background_nice)
+    if max_message_mb is not None:
+        env["RINGMASTER_MAX_MESSAGE_BYTES"] = str(int(round(max_message_mb * MIB)))
+    if max_pending_requests is not None:
+        env["RINGMASTER_MAX_PENDING_REQUESTS"] = str(max_pending_requests)
     return env
 
 

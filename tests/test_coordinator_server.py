@@ -110,3 +110,29 @@ def test_generated_stubs_are_up_to_date():
     for name, text in generate.generate_sources().items():
         committed = (generate.PROTO_DIR / name).read_text()
         assert committed == text, f"proto/{name} is stale: run python -m ringmaster.proto.generate"
+
+
+def test_a_message_grpc_refuses_is_reported_on_the_rank_with_the_knob():
+    """A single request too big to cut (over twice the limit) fails the rank with the limit's name, not 'the coordinator died'."""
+    try:  # the worker's runtime room (worker/runtime/), or the flat worker/ before it
+        from ringmaster.worker.runtime.client import CoordinatorClient
+        from ringmaster.worker.runtime.outbox import Outbox
+    except ImportError:
+        from ringmaster.worker.client import CoordinatorClient
+        from ringmaster.worker.outbox import Outbox
+
+    limit = 65536
+    coordinator = Coordinator(1, SECRET, Config(max_message_bytes=limit), "127.0.0.1", 0).start()
+    failures = queue.Queue()
+    outbox = Outbox(0.001, 1.0, max_message_bytes=limit)
+    client = CoordinatorClient(coordinator.address, SECRET, 0, 1, "fake", 1, outbox, on_responses=lambda _: None,
+                               on_fatal=failures.put, max_message_bytes=limit)
+    try:
+        client.connect(10)
+        outbox.add([pb.TensorRequest(name="n" * (3 * limit), op_type=pb.BARRIER, dtype="float32")], flush=True)
+        error = failures.get(timeout=10)
+        assert "RINGMASTER_MAX_MESSAGE_BYTES (ringrun --max-message-mb)" in str(error), error
+        assert "the coordinator died" not in str(error)
+    finally:
+        client.close(timeout_s=1)
+        coordinator.stop(grace=0)

@@ -8,6 +8,8 @@ from typing import Callable, Optional
 
 import grpc
 
+from ringmaster.common.config import Config
+from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.coordinator.auth import call_metadata
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
@@ -41,10 +43,12 @@ class CoordinatorClient:
         outbox: batches what this rank sends (requests, heartbeats, goodbye).
         on_responses: called (on the receiver thread) with each :class:`pb.ResponseList`.
         on_fatal: called once with the exception that ends the job (abort, lost coordinator).
+        max_message_bytes: ``RINGMASTER_MAX_MESSAGE_BYTES``; gRPC accepts up to twice it.
     """
 
     def __init__(self, address: str, secret: str, rank: int, size: int, hostname: str, pid: int,
-                 outbox: Outbox, on_responses: Callable, on_fatal: Callable):
+                 outbox: Outbox, on_responses: Callable, on_fatal: Callable,
+                 max_message_bytes: int = Config.max_message_bytes):
         self.address = address
         self.rank = rank
         self._registration = pb.Register(rank=rank, size=size, hostname=hostname, pid=pid)
@@ -59,7 +63,7 @@ class CoordinatorClient:
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
-        ])
+        ] + grpc_options(max_message_bytes))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._metadata = call_metadata(secret)
         self._call = None
@@ -112,6 +116,11 @@ class CoordinatorClient:
                 self._fail(CoordinatorUnreachableError(
                     f"rank {self.rank}: the coordinator at {self.address} refused this rank's token: "
                     f"RINGMASTER_SECRET differs from the one the coordinator was started with"))
+            elif error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self._fail(CoordinatorUnreachableError(
+                    f"rank {self.rank}: gRPC refused a message between this rank and the coordinator at "
+                    f"{self.address} ({error.details()}): the limit is {KNOB}, which the coordinator and "
+                    f"every rank must share"))
             else:
                 self._fail(CoordinatorUnreachableError(
                     f"rank {self.rank} lost its connection to the ringmaster coordinator at {self.address} "

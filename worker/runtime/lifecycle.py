@@ -55,10 +55,12 @@ class Runtime:
                                  across_hosts=self.cross_size > 1, plan_overlap=config.plan_overlap,
                                  local_size=self.local_size)
         self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s,
-                             heartbeat=lambda: pb.Heartbeat(plans=self.executor.plan_waits()))
+                             heartbeat=lambda: pb.Heartbeat(plans=self.executor.plan_waits()),
+                             max_message_bytes=config.max_message_bytes)
         self.client = CoordinatorClient(
             self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
-            self.outbox, on_responses=self.executor.submit, on_fatal=self.fail)
+            self.outbox, on_responses=self.executor.submit, on_fatal=self.fail,
+            max_message_bytes=config.max_message_bytes)
         self.executor.start()
         waiting.set_abort_check(lambda: self.fatal_error)
         try:

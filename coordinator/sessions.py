@@ -1,0 +1,129 @@
+"""The coordinator's gRPC face: one session per stream, read as raw bytes, and its log of refusals.
+
+Streams are read as bytes, not as protobufs decoded by gRPC: when gRPC fails to decode a
+message it logs a traceback and ends the call, and the coordinator would see only a stream
+that ended, as if the rank had crashed. Decoding here lets the server say what the rank
+sent. ``Ping`` ignores its request body (it is a readiness probe; the token is what counts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional
+
+import grpc
+
+from ringmaster.coordinator.validation import shown
+from ringmaster.proto import ringmaster_pb2 as pb
+
+log = logging.getLogger("ringmaster.coordinator")
+
+SERVICE = "ringmaster.Coordinator"
+
+_CLOSE = object()  # tells a stream handler to end its response stream
+
+
+class RankSession:
+    """One stream: the rank it registered as (if any), and its outgoing messages."""
+
+    def __init__(self, peer: str):
+        self.peer = peer
+        self.outbox: "asyncio.Queue" = asyncio.Queue()
+        self.rank: Optional[int] = None
+        self.hostname = "?"
+        self.pid = 0
+        self.said_goodbye = False
+        self.closing = False  # refused: nothing more it sends is read
+        self.gone = False     # its stream has ended (or the job was aborted)
+        self.opened = self.last_seen = time.monotonic()
+        self.unread_bytes = 0  # of messages queued for this stream that gRPC has not taken yet
+
+    def describe(self) -> str:
+        if self.rank is None:
+            return f"an unregistered stream from {self.peer}"
+        return f"rank {self.rank} (host {shown(self.hostname)}, pid {self.pid})"
+
+    def send(self, message: pb.CoordinatorMessage, size: int) -> None:
+        """Queue ``message`` (of ``size`` serialized bytes) for this stream."""
+        self.unread_bytes += size
+        self.outbox.put_nowait((message, size))
+
+    def close(self) -> None:
+        self.outbox.put_nowait(_CLOSE)
+
+
+class CoordinatorServicer:
+    """The two calls of ``service Coordinator``, served by a :class:`~.server.Coordinator`."""
+
+    def __init__(self, coordinator):
+        self._coordinator = coordinator
+
+    async def Ping(self, request: bytes, context):
+        return pb.Empty()
+
+    async def Negotiate(self, request_iterator, context):
+        session = RankSession(context.peer())
+        self._coordinator.on_connect(session)
+        reader = asyncio.ensure_future(self._coordinator.read_stream(session, request_iterator))
+        try:
+            while True:
+                item = await session.outbox.get()
+                if item is _CLOSE:
+                    return
+                message, size = item
+                session.unread_bytes -= size
+                try:
+                    await context.write(message)
+                except Exception:  # noqa: BLE001 - the peer went away mid-write (gRPC would log a
+                    return         # traceback for a generator's failed write): the stream has ended
+        finally:
+            reader.cancel()
+            self._coordinator.on_disconnect(session)
+
+
+def method_handlers(servicer: CoordinatorServicer):
+    """The generic handler of the service: requests arrive as bytes, responses are protobufs."""
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Negotiate": grpc.stream_stream_rpc_method_handler(
+            servicer.Negotiate, request_deserializer=None,
+            response_serializer=pb.CoordinatorMessage.SerializeToString),
+        "Ping": grpc.unary_unary_rpc_method_handler(
+            servicer.Ping, request_deserializer=None, response_serializer=pb.Empty.SerializeToString),
+    })
+
+
+class RefusalLog:
+    """Warnings about refused streams, at most ``per_window`` a window; the rest are counted.
+
+    A client opening stream after stream of garbage must not flood the job's log.
+    """
+
+    def __init__(self, per_window: int = 10, window_s: float = 60.0, clock=time.monotonic):
+        self._per_window = per_window
+        self._window_s = window_s
+        self._clock = clock
+        self._window_start = clock()
+        self._logged = 0
+        self._suppressed = 0
+
+    def warn(self, message: str) -> None:
+        self.tick()
+        if self._logged < self._per_window:
+            self._logged += 1
+            log.warning("%s", message)
+        else:
+            self._suppressed += 1
+
+    def tick(self) -> None:
+        """Close the window once it is over, saying how many warnings it left out."""
+        if self._clock() - self._window_start < self._window_s:
+            return
+        if self._suppressed:
+            log.warning("%d more streams were refused or closed in the last %.0f s (not shown)",
+                        self._suppressed, self._window_s)
+        self._window_start, self._logged, self._suppressed = self._clock(), 0, 0
+
+
+__all__ = ["CoordinatorServicer", "RankSession", "RefusalLog", "method_handlers"]

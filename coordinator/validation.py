@@ -1,0 +1,242 @@
+"""What the coordinator accepts from a rank: every field of every message, checked at the door.
+
+A rank holding the job's token may still run a broken or foreign client. Nothing it sends
+may crash the coordinator, stall the job unwatched, or make the coordinator send the other
+ranks something they cannot run. So before a message touches the message table, this
+module checks each field against what a ringmaster rank can mean by it: enums are known
+values, dtypes are ones the ranks can move, shapes are non-negative and their byte size
+fits in int64, roots and splits are in the job's range, names and strings have bounded
+lengths, group sizes are ones a rank may have pending, process-set changes list at most
+every rank once.
+
+Each check answers ``None`` (fine) or a :class:`Problem` naming the field, the value sent
+and what it must be; the caller adds which rank sent it. Checks that need the state of the
+negotiation (is the set registered, is the root a member, do the ranks agree) stay in
+:mod:`ringmaster.coordinator.negotiation`, which runs them when a tensor completes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+from ringmaster.proto import ringmaster_pb2 as pb
+
+OP_NAMES = {v: k.lower() for k, v in pb.OpType.items()}
+REDUCE_NAMES = {v: k.title() for k, v in pb.ReduceOp.items()}
+
+#: Bytes per element of each dtype as it travels (bfloat16 is reduced in float32).
+WIRE_ITEMSIZE = {
+    "float16": 2, "bfloat16": 4, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
+    "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+}
+#: The dtypes the ranks can reduce (allreduce, reducescatter); the others only move bytes.
+REDUCIBLE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
+#: The reductions the ranks can run (Adasum is refused by the ranks' own API).
+RUNNABLE_REDUCTIONS = (pb.AVERAGE, pb.SUM, pb.MIN, pb.MAX, pb.PRODUCT)
+
+#: Ops that carry a tensor (dtype, shape, device); the others are control requests.
+DATA_OPS = (pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL, pb.REDUCESCATTER, pb.BARRIER)
+#: Ops whose tensor is cut or joined along its first dimension, which it must therefore have.
+ROW_OPS = (pb.ALLGATHER, pb.ALLTOALL, pb.REDUCESCATTER)
+REDUCTIONS = (pb.ALLREDUCE, pb.REDUCESCATTER)
+
+#: Longest tensor, group or gradient-plan name, in UTF-8 bytes. The longest names ringmaster
+#: makes are DistributedOptimizer's, "DistributedOptimizer.Allreduce." + a parameter's
+#: dotted path: well under 300 bytes in the models of examples/ and bench/.
+MAX_NAME_BYTES = 4096
+#: Most dimensions a tensor may have. torch allows more, but models use a handful; the bound
+#: keeps one request (and the response built from it) a few hundred bytes.
+MAX_DIMS = 64
+#: Longest device or compression string ("cpu", "cuda", "int8", "linear8").
+MAX_TAG_BYTES = 32
+#: Longest hostname a rank may register (DNS names have at most 253 characters).
+MAX_HOSTNAME_BYTES = 255
+#: Most gradient plans one heartbeat may report (a rank has a few: one per optimizer and set).
+MAX_PLANS_PER_HEARTBEAT = 1024
+#: A tensor's byte size must fit in a signed 64-bit integer, as MPI counts and torch sizes do.
+MAX_TENSOR_BYTES = 2 ** 63 - 1
+
+
+class Problem(NamedTuple):
+    """Why one field of a message cannot be accepted."""
+
+    field: str
+    value: str      # the value as sent, shortened for messages
+    why: str        # what it must be
+
+    def describe(self) -> str:
+        return f"{self.field} = {self.value}: {self.why}"
+
+
+def request_problem(request: pb.TensorRequest, size: int, max_group_size: int) -> Optional[Problem]:
+    """The first field of ``request`` that no ringmaster rank of a ``size``-rank job would send.
+
+    ``max_group_size`` bounds ``group_size`` (a rank cannot have more parts of a group
+    pending than it may have requests pending).
+    """
+    op = request.op_type
+    if op not in OP_NAMES:
+        return Problem("op_type", str(op), f"not an operation; one of {_listing(OP_NAMES)}")
+    if request.reduce_op not in REDUCE_NAMES:
+        return Problem("reduce_op", str(request.reduce_op), f"not a reduction; one of {_listing(REDUCE_NAMES)}")
+    problem = (_name_problem("name", request.name) or _set_id_problem(request)
+               or _group_problem(request, max_group_size)
+               or _text_problem("device", request.device) or _text_problem("compression", request.compression)
+               or _scale_problem(request))
+    if problem:
+        return problem
+    if op in DATA_OPS:
+        problem = _tensor_problem(request)
+    elif op in (pb.PROCESS_SET_ADD, pb.PROCESS_SET_REMOVE):
+        problem = _set_change_problem(request, size)
+    if problem:
+        return problem
+    if op == pb.BROADCAST and not 0 <= request.root_rank < size:
+        return Problem("root_rank", str(request.root_rank), f"not a rank of this job (0..{size - 1})")
+    if op == pb.ALLTOALL:
+        return _splits_problem(request, size)
+    if request.splits:
+        return Problem("splits", _short_list(request.splits), f"only alltoall takes splits, not {OP_NAMES[op]}")
+    return None
+
+
+def register_problem(register: pb.Register) -> Optional[Problem]:
+    """Fields of a registration that no rank would send (rank and size are checked by the server)."""
+    if len(register.hostname.encode()) > MAX_HOSTNAME_BYTES:
+        return Problem("hostname", shown(register.hostname), f"longer than {MAX_HOSTNAME_BYTES} bytes")
+    if register.pid < 0:
+        return Problem("pid", str(register.pid), "a process id is >= 0")
+    return None
+
+
+def heartbeat_problem(heartbeat: pb.Heartbeat) -> Optional[Problem]:
+    """Fields of a heartbeat's gradient-plan report that no rank would send."""
+    if len(heartbeat.plans) > MAX_PLANS_PER_HEARTBEAT:
+        return Problem("plans", f"{len(heartbeat.plans)} entries", f"at most {MAX_PLANS_PER_HEARTBEAT}")
+    for plan in heartbeat.plans:
+        problem = _name_problem("plans.name", plan.name)
+        if problem:
+            return problem
+        if plan.process_set_id < 0:
+            return Problem("plans.process_set_id", str(plan.process_set_id), "set ids are >= 0")
+        if not (math.isfinite(plan.waiting_s) and plan.waiting_s >= 0):
+            return Problem("plans.waiting_s", str(plan.waiting_s), "a finite number of seconds >= 0")
+    return None
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` as messages quote it: control characters escaped, long text cut with its length."""
+    quoted = text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
+    if len(quoted) <= limit:
+        return quoted
+    return f"{quoted[:limit]}… ({len(text.encode())} bytes)"
+
+
+# ------------------------------------------------------------------ fields
+def _name_problem(field: str, name: str) -> Optional[Problem]:
+    if not name:
+        return Problem(field, "''", "every request needs a name")
+    if len(name) > MAX_NAME_BYTES // 4 and len(name.encode()) > MAX_NAME_BYTES:  # UTF-8: <= 4 bytes a character
+        return Problem(field, f"'{shown(name, 40)}'", f"longer than {MAX_NAME_BYTES} bytes")
+    return None
+
+
+def _text_problem(field: str, text: str) -> Optional[Problem]:
+    if len(text) > MAX_TAG_BYTES // 4 and len(text.encode()) > MAX_TAG_BYTES:
+        return Problem(field, f"'{shown(text, 40)}'", f"longer than {MAX_TAG_BYTES} bytes")
+    return None
+
+
+def _set_id_problem(request: pb.TensorRequest) -> Optional[Problem]:
+    if request.process_set_id < 0:
+        return Problem("process_set_id", str(request.process_set_id), "set ids are >= 0 (0: every rank)")
+    if request.process_set_id and request.op_type in (pb.JOIN, pb.PROCESS_SET_ADD, pb.PROCESS_SET_REMOVE):
+        return Problem("process_set_id", str(request.process_set_id),
+                       f"{OP_NAMES[request.op_type]} concerns the whole job: it runs in set 0")
+    return None
+
+
+def _group_problem(request: pb.TensorRequest, max_group_size: int) -> Optional[Problem]:
+    if not request.group:
+        if request.group_size:
+            return Problem("group_size", str(request.group_size), "set without a group name")
+        return None
+    problem = _name_problem("group", request.group)
+    if problem:
+        return problem
+    if request.op_type in (pb.JOIN, pb.PROCESS_SET_ADD, pb.PROCESS_SET_REMOVE):
+        return Problem("group", f"'{shown(request.group, 40)}'", f"{OP_NAMES[request.op_type]} cannot be grouped")
+    if not 1 <= request.group_size <= max_group_size:
+        return Problem("group_size", str(request.group_size),
+                       f"a group has 1 to {max_group_size} parts (RINGMASTER_MAX_PENDING_REQUESTS)")
+    return None
+
+
+def _scale_problem(request: pb.TensorRequest) -> Optional[Problem]:
+    if not math.isfinite(request.prescale_factor):
+        return Problem("prescale_factor", str(request.prescale_factor), "a finite number")
+    if not math.isfinite(request.postscale_factor):
+        return Problem("postscale_factor", str(request.postscale_factor), "a finite number")
+    return None
+
+
+def _tensor_problem(request: pb.TensorRequest) -> Optional[Problem]:
+    op, dtype = request.op_type, request.dtype
+    if dtype not in WIRE_ITEMSIZE:
+        return Problem("dtype", f"'{shown(dtype, 40)}'", f"not a dtype ringmaster moves; one of {', '.join(WIRE_ITEMSIZE)}")
+    shape = request.shape
+    if len(shape) > MAX_DIMS:
+        return Problem("shape", f"{len(shape)} dimensions", f"at most {MAX_DIMS}")
+    if shape and min(shape) < 0:
+        return Problem("shape", _short_list(shape), "dimensions are >= 0")
+    if math.prod(shape) * WIRE_ITEMSIZE[dtype] > MAX_TENSOR_BYTES:
+        return Problem("shape", _short_list(shape), f"{dtype} of this shape takes more than 2^63-1 bytes")
+    if op in ROW_OPS and not shape:
+        return Problem("shape", "[]", f"{OP_NAMES[op]} needs a tensor with at least one dimension")
+    if op in REDUCTIONS:
+        if dtype not in REDUCIBLE_DTYPES:
+            return Problem("dtype", f"'{dtype}'", f"{OP_NAMES[op]} reduces {', '.join(REDUCIBLE_DTYPES)} only")
+        if request.reduce_op not in RUNNABLE_REDUCTIONS:
+            return Problem("reduce_op", REDUCE_NAMES[request.reduce_op], "not supported by ringmaster's ranks")
+        if dtype == "bool" and request.reduce_op == pb.AVERAGE:
+            return Problem("reduce_op", "Average", "undefined for bool tensors")
+    return None
+
+
+def _set_change_problem(request: pb.TensorRequest, size: int) -> Optional[Problem]:
+    # The ranks' range, order and duplicates, and whether a removed id exists, are checked
+    # once every rank asked (negotiation): then all get one error. Here only the length,
+    # which bounds the work those checks do.
+    spec = request.set_change
+    if request.op_type == pb.PROCESS_SET_ADD and not 1 <= len(spec.ranks) <= size:
+        return Problem("set_change.ranks", f"{len(spec.ranks)} ranks", f"a process set has 1 to {size} ranks")
+    return None
+
+
+def _splits_problem(request: pb.TensorRequest, size: int) -> Optional[Problem]:
+    splits = request.splits
+    if len(splits) > size:
+        return Problem("splits", f"{len(splits)} entries", f"at most one per rank of the job ({size})")
+    if any(split < 0 for split in splits):
+        return Problem("splits", _short_list(splits), "rows sent to each rank are >= 0")
+    # None at all is reported when the alltoall completes, with the set's size ("passed 0 splits").
+    if splits and sum(splits) != request.shape[0]:
+        return Problem("splits", _short_list(splits),
+                       f"they add up to {sum(splits)}, not to the first dimension ({request.shape[0]})")
+    return None
+
+
+def _short_list(values) -> str:
+    values = list(values)
+    if len(values) <= 8:
+        return str(values)
+    return f"[{', '.join(map(str, values[:8]))}, … ({len(values)} entries)]"
+
+
+def _listing(names: dict) -> str:
+    return ", ".join(f"{value} ({name})" for value, name in sorted(names.items()))
+
+
+__all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "OP_NAMES", "Problem", "REDUCE_NAMES", "WIRE_ITEMSIZE",
+           "heartbeat_problem", "register_problem", "request_problem", "shown"]
