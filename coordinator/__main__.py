@@ -8,6 +8,7 @@ would show it. Once listening, the daemon writes ``host:port`` to ``--address-fi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -41,6 +42,12 @@ def write_address(path: str, address: str) -> None:
     os.replace(temporary, path)
 
 
+def _drop_cancelled_streams(record: logging.LogRecord) -> bool:
+    """gRPC logs a traceback for every stream still open when the server stops (its handler is
+    cancelled): that is how the coordinator ends, after an abort too, not an error."""
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -50,6 +57,7 @@ def main(argv=None) -> int:
         return 2
     logging.basicConfig(level=config.log_level, stream=sys.stderr,
                         format="[coordinator] ringmaster %(levelname)s: %(message)s")
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_drop_cancelled_streams)
     if not config.secret:
         print("ringmaster coordinator: error: RINGMASTER_SECRET is not set; the coordinator refuses to "
               "run without a job token", file=sys.stderr)

@@ -163,8 +163,10 @@ def test_a_dead_coordinator_is_reported_on_every_rank():
     result, seconds = run_timed(2, """
         import time, torch, ringmaster as rm
         from ringmaster.worker.runtime.current import runtime
+        from mpi4py import MPI
         rm.init()
         rm.allreduce(torch.ones(2))
+        MPI.COMM_WORLD.Barrier()  # both ranks have their result before the coordinator goes
         if rm.rank() == 0:
             runtime().endpoint.process.kill()  # the coordinator rank 0 started under plain mpirun
         time.sleep(1)
