@@ -1,0 +1,321 @@
+"""The model-parallel half of ``HybridParallel``: Krizhevsky's schemes (a), (b), (c) over sharded Linear layers.
+
+K members; member ``s`` brings ``b_s`` examples (the features' output, ``(b_s, d_0)``). Every
+``nn.Linear`` of the classifier is split by output features: member ``s`` holds ``w_s`` of
+layer ``i``'s ``d_i`` outputs (``np.array_split`` widths: the first ``d_i mod K`` members one
+more). A *round* is one batch of the classifier, ``rows[s]`` examples from each member, in
+member order:
+
+* (a) one round of every member's whole batch (``K·b`` rows): its input is an allgather;
+* (b) K rounds, round ``j`` is member ``j``'s batch, which ``j`` broadcasts;
+* (c) K rounds, round ``j`` takes the ``j``-th of K near-equal slices of every member's batch
+  (``b/K`` from each), allgathered.
+
+Forward of a round, on every member (element-wise layers run on the shard, before the gather)::
+
+    X (B, d_0) -> Linear shard, element-wise -> y_1 (B, w_1) -> gather columns -> (B, d_1) -> ...
+               -> y_L (B, w_L) -> rows of member s to s (alltoall) -> s puts the K column blocks side by side
+
+Backward of a round is the reverse of each exchange: the owners' logit gradients go back to
+the shards column block by column block (alltoall); each shard computes its weight gradient
+locally and a partial gradient of its whole input; the partials are summed over the shards,
+each member keeping its own columns (a reduce-scatter: an alltoall, then a sum), down to the
+round's input, whose summed gradient goes back to the rows' owners.
+
+Schedule: the next round's input transfer starts before this round's classifier compute;
+logit deliveries and input-gradient deliveries are collected at the end of the pass. One
+background thread runs the collectives in order, so a transfer overlaps compute, not
+another transfer.
+
+Gradient scale: each member's loss is the mean over its own ``b`` examples, and the
+reference is one process on the ``K·b`` batch, whose loss is the mean of the members'.
+Entering the classifier, the owners' logit gradients are divided by K, so that each shard's
+weight gradient is the ``K·b`` batch's; leaving it, the features' gradient is multiplied by
+K, so that it is this member's own loss's gradient, which ``DistributedOptimizer`` averages
+over the members as in pure data parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ringmaster.worker.frontend.hybrid_wire import Exchange, Pending
+
+SCHEMES = ("a", "b", "c")
+
+
+def split_sizes(count: int, parts: int) -> List[int]:
+    """``count`` split into ``parts`` near-equal sizes, the first ``count % parts`` one larger."""
+    return [count // parts + (index < count % parts) for index in range(parts)]
+
+
+@dataclass(frozen=True)
+class Round:
+    """One batch of the classifier: ``rows[s]`` examples of member ``s``, from row ``starts[s]`` of its batch."""
+
+    rows: Tuple[int, ...]
+    starts: Tuple[int, ...]
+    owner: Optional[int] = None  # scheme (b): the member whose whole batch it is
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows)
+
+    def offset(self, member: int) -> int:
+        """Where member ``member``'s examples start in the round's batch."""
+        return sum(self.rows[:member])
+
+
+def plan_rounds(scheme: str, batch_sizes: Sequence[int]) -> List[Round]:
+    """The rounds of ``scheme`` for members bringing ``batch_sizes`` examples; empty rounds are left out."""
+    members = len(batch_sizes)
+    zeros = (0,) * members
+    if scheme == "a":
+        rounds = [Round(tuple(batch_sizes), zeros)]
+    elif scheme == "b":
+        rounds = [Round(tuple(size if s == j else 0 for s, size in enumerate(batch_sizes)), zeros, owner=j)
+                  for j in range(members)]
+    else:
+        slices = [split_sizes(size, members) for size in batch_sizes]
+        starts = [list(itertools.accumulate([0] + sizes[:-1])) for sizes in slices]
+        rounds = [Round(tuple(slices[s][j] for s in range(members)), tuple(starts[s][j] for s in range(members)))
+                  for j in range(members)]
+    return [r for r in rounds if r.total]
+
+
+@dataclass
+class Stage:
+    """A sharded Linear layer and the element-wise layers after it."""
+
+    index: int                # the Linear's position in the classifier
+    linear: nn.Linear         # this member's shard (out_features = widths[position])
+    post: Tuple[nn.Module, ...]
+    widths: Tuple[int, ...]   # every member's number of output features
+
+    def columns(self, member: int) -> slice:
+        start = sum(self.widths[:member])
+        return slice(start, start + self.widths[member])
+
+    def parameters(self) -> List[nn.Parameter]:
+        return [self.linear.weight] + ([self.linear.bias] if self.linear.bias is not None else [])
+
+
+def stage_parameters(stages: Sequence[Stage]) -> List[nn.Parameter]:
+    return [p for stage in stages for p in stage.parameters()]
+
+
+class ClassifierPass:
+    """One batch through the classifier's shards, round by round (forward, then backward).
+
+    ``input_grad``: whether the features need their gradient (every member agrees on it);
+    ``scale``: the factor on the logit gradients entering the classifier (its inverse
+    multiplies the features' gradient leaving it).
+    """
+
+    def __init__(self, stages: Sequence[Stage], exchange: Exchange, rounds: Sequence[Round], name: str,
+                 input_grad: bool, scale: float, features: int):
+        self.stages, self.exchange, self.rounds = list(stages), exchange, list(rounds)
+        self.name, self.input_grad, self.scale, self.features = name, input_grad, scale, features
+        self.me = exchange.position
+
+    # ---------------------------------------------------------------- forward
+    def start_input(self, j: int, h: torch.Tensor) -> Pending:
+        """Start moving round ``j``'s input (the rows of every member) to every member."""
+        round_, me = self.rounds[j], self.me
+        mine = h[round_.starts[me]:round_.starts[me] + round_.rows[me]]
+        shapes = [(rows, self.features) for rows in round_.rows]
+        name = f"{self.name}.r{j}.input"
+        if round_.owner is not None:
+            owner = round_.owner
+            return self.exchange.broadcast(mine if me == owner else None, shapes[owner], h.dtype, owner, name)
+        return self.exchange.gather(mine, shapes, name).then(lambda pieces: torch.cat(pieces))
+
+    def forward_round(self, j: int, inputs: torch.Tensor, parameters: Sequence[torch.Tensor], build_graph: bool):
+        """Round ``j`` through the shards: (this member's logit columns ``(B, w_L)``, what backward needs)."""
+        saved, weights, activation = [], iter(parameters), inputs
+        batch = self.rounds[j].total
+        for i, stage in enumerate(self.stages):
+            weight = next(weights)
+            bias = next(weights) if stage.linear.bias is not None else None
+            grad_context = torch.enable_grad() if build_graph else contextlib.nullcontext()
+            with grad_context:
+                if build_graph:
+                    activation = activation.detach().requires_grad_(i > 0 or self.input_grad)
+                output = F.linear(activation, weight, bias)
+                for layer in stage.post:
+                    output = layer(output)
+            saved.append((activation, output))
+            if i + 1 < len(self.stages):
+                shapes = [(batch, width) for width in stage.widths]
+                pieces = self.exchange.gather(output.detach(), shapes, f"{self.name}.r{j}.l{stage.index}").finish()
+                activation = torch.cat(pieces, dim=1)
+        return saved[-1][1].detach(), saved
+
+    def start_delivery(self, j: int, logits: torch.Tensor) -> Pending:
+        """Start sending every owner its rows of this member's logit columns; delivers this member's rows, all columns."""
+        round_, last = self.rounds[j], self.stages[-1]
+        pieces = [logits[round_.offset(s):round_.offset(s) + rows] for s, rows in enumerate(round_.rows)]
+        shapes = [(round_.rows[self.me], width) for width in last.widths]
+        return self.exchange.scatter(pieces, shapes, f"{self.name}.r{j}.logits").then(
+            lambda parts: torch.cat(parts, dim=1))
+
+    def forward(self, h: torch.Tensor, parameters: Sequence[torch.Tensor], build_graph: bool):
+        """This member's logits for its own examples, and each round's saved graph."""
+        deliveries, graphs = [], []
+        incoming = self.start_input(0, h) if self.rounds else None
+        for j in range(len(self.rounds)):
+            inputs = incoming.finish()
+            if j + 1 < len(self.rounds):
+                incoming = self.start_input(j + 1, h)  # moves while this round computes
+            logits, saved = self.forward_round(j, inputs, parameters, build_graph)
+            graphs.append(saved if build_graph else None)
+            deliveries.append(self.start_delivery(j, logits))
+        classes = sum(self.stages[-1].widths)
+        mine = [delivery.finish() for delivery in deliveries]
+        return torch.cat(mine) if mine else h.new_zeros((0, classes)), graphs
+
+    # --------------------------------------------------------------- backward
+    def start_logit_grads(self, j: int, grad: torch.Tensor) -> Pending:
+        """Start sending each shard its columns of this member's logit gradient for round ``j``
+        (``grad``: this member's rows of the round); delivers ``(B, w_L)`` for this shard."""
+        round_, last = self.rounds[j], self.stages[-1]
+        pieces = [grad[:, last.columns(t)] for t in range(len(last.widths))]
+        shapes = [(rows, last.widths[self.me]) for rows in round_.rows]
+        return self.exchange.scatter(pieces, shapes, f"{self.name}.r{j}.logits.grad").then(torch.cat)
+
+    def backward_round(self, j: int, saved, parameters: Sequence[torch.Tensor], grad: torch.Tensor,
+                       accumulated: List[Optional[torch.Tensor]]) -> Optional[Pending]:
+        """Backpropagate round ``j`` from this shard's logit gradient ``grad``: adds the parameters'
+        gradients into ``accumulated`` and starts the input gradient's way back to the rows' owners."""
+        round_ = self.rounds[j]
+        index = len(parameters)
+        for i in range(len(self.stages) - 1, -1, -1):
+            stage = self.stages[i]
+            count = len(stage.parameters())
+            index -= count
+            activation, output = saved[i]
+            wanted = [(position, tensor) for position, tensor in
+                      enumerate([activation, *parameters[index:index + count]]) if tensor.requires_grad]
+            grads = torch.autograd.grad(output, [tensor for _, tensor in wanted], grad,
+                                        allow_unused=True) if wanted and output.requires_grad else []
+            by_position = {position: g for (position, _), g in zip(wanted, grads)}
+            for k in range(count):
+                g = by_position.get(k + 1)
+                if g is not None:
+                    slot = index + k
+                    accumulated[slot] = g if accumulated[slot] is None else accumulated[slot] + g
+            partial = by_position.get(0)
+            if i > 0:
+                previous = self.stages[i - 1]
+                if partial is None:
+                    partial = activation.new_zeros(activation.shape)
+                pieces = [partial[:, previous.columns(t)] for t in range(len(previous.widths))]
+                shapes = [(round_.total, previous.widths[self.me])] * len(previous.widths)
+                parts = self.exchange.scatter(pieces, shapes, f"{self.name}.r{j}.l{previous.index}.grad").finish()
+                grad = _sum(parts)
+            elif self.input_grad:
+                if partial is None:
+                    partial = activation.new_zeros(activation.shape)
+                pieces = [partial[round_.offset(s):round_.offset(s) + rows] for s, rows in enumerate(round_.rows)]
+                shapes = [(round_.rows[self.me], self.features)] * len(round_.rows)
+                return self.exchange.scatter(pieces, shapes, f"{self.name}.r{j}.input.grad").then(_sum)
+        return None
+
+    def backward(self, graphs, parameters: Sequence[torch.Tensor], grad: torch.Tensor, batch: int):
+        """(gradient of this member's features' output ``(batch, d_0)`` or None, the parameters' gradients)."""
+        grad = grad * self.scale if self.scale != 1.0 else grad
+        accumulated: List[Optional[torch.Tensor]] = [None] * len(parameters)
+        order = list(range(len(self.rounds)))[::-1]
+        incoming = {j: self.start_logit_grads(j, self._mine(j, grad)) for j in order}
+        returning = []
+        for j in order:
+            back = self.backward_round(j, graphs[j], parameters, incoming.pop(j).finish(), accumulated)
+            returning.append((j, back))
+        if not self.input_grad:
+            return None, accumulated
+        features = grad.new_zeros((batch, self.features))
+        for j, back in returning:
+            round_ = self.rounds[j]
+            features[round_.starts[self.me]:round_.starts[self.me] + round_.rows[self.me]] += back.finish()
+        if self.scale != 1.0:
+            features /= self.scale
+        return features, accumulated
+
+    def _mine(self, j: int, grad: torch.Tensor) -> torch.Tensor:
+        """This member's rows of round ``j`` in a tensor of its whole batch's rows (in round order)."""
+        round_ = self.rounds[j]
+        return grad[round_.starts[self.me]:round_.starts[self.me] + round_.rows[self.me]]
+
+
+def _sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+class HybridFunction(torch.autograd.Function):
+    """The classifier pass as one node of the user's graph: ``(h, *shard parameters) -> own logits``."""
+
+    @staticmethod
+    def forward(ctx, classifier_pass: ClassifierPass, h, *parameters):
+        aliases = [p.detach().requires_grad_(p.requires_grad) for p in parameters]
+        logits, graphs = classifier_pass.forward(h.detach(), aliases, build_graph=True)
+        ctx.classifier_pass, ctx.graphs, ctx.aliases, ctx.batch = classifier_pass, graphs, aliases, h.shape[0]
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        features, accumulated = ctx.classifier_pass.backward(ctx.graphs, ctx.aliases, grad.contiguous(), ctx.batch)
+        ctx.graphs = None
+        return (None, features, *accumulated)
+
+
+def variable_batch_pass(classifier_pass: ClassifierPass, h: torch.Tensor, target, loss_fn: Callable,
+                        parameters: Sequence[nn.Parameter], step: Callable[[], None]):
+    """Krizhevsky's variable batch size: the shards step after every round (batch B in the
+    classifier), the features once, after all of them (``K·b``).
+
+    Each round's loss is the mean over its B examples: every owner computes its rows' mean
+    with ``loss_fn``, weighted by its share of the round. ``step()`` updates the shards from
+    their gradients. Returns (gradient of this member's features' output, the sum of ``loss_fn``
+    over this member's examples, as a float).
+    """
+    rounds, me = classifier_pass.rounds, classifier_pass.me
+    returning, loss_sum = [], 0.0
+    incoming = classifier_pass.start_input(0, h) if rounds else None
+    for j, round_ in enumerate(rounds):
+        inputs = incoming.finish()
+        if j + 1 < len(rounds):
+            incoming = classifier_pass.start_input(j + 1, h)
+        aliases = [p.detach().requires_grad_(p.requires_grad) for p in parameters]  # this round's weights
+        logits, saved = classifier_pass.forward_round(j, inputs, aliases, build_graph=True)
+        mine = classifier_pass.start_delivery(j, logits).finish()
+        rows = round_.rows[me]
+        if rows:
+            mine.requires_grad_()
+            with torch.enable_grad():
+                loss = loss_fn(mine, target[round_.starts[me]:round_.starts[me] + rows])
+                grad, = torch.autograd.grad(loss * (rows / round_.total), mine)
+            loss_sum += float(loss.detach()) * rows
+        else:
+            grad = mine.detach()
+        accumulated: List[Optional[torch.Tensor]] = [None] * len(parameters)
+        shard_grad = classifier_pass.start_logit_grads(j, grad).finish()
+        returning.append((round_, classifier_pass.backward_round(j, saved, aliases, shard_grad, accumulated)))
+        for p, g in zip(parameters, accumulated):
+            p.grad = g
+        step()
+    features = None
+    if classifier_pass.input_grad:
+        features = h.new_zeros((h.shape[0], classifier_pass.features))
+        for round_, back in returning:
+            features[round_.starts[me]:round_.starts[me] + round_.rows[me]] += back.finish()
+    return features, loss_sum
