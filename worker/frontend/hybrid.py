@@ -77,23 +77,24 @@ class HybridParallel(nn.Module):
     def __init__(self, features: nn.Module, classifier: nn.Sequential, scheme: str = "b",
                  process_set: ProcessSet = global_process_set, compression=None, variable_batch: bool = False):
         super().__init__()
+        state = runtime()
+        who = f"HybridParallel on rank {state.rank}"
         if scheme not in SCHEMES:
-            raise ValueError(f"HybridParallel: scheme={scheme!r}; use 'a' (allgather), 'b' (members take turns "
+            raise ValueError(f"{who}: scheme={scheme!r}; use 'a' (allgather), 'b' (members take turns "
                              f"broadcasting) or 'c' (1/K of every member's batch per round)")
         if variable_batch and scheme == "a":
-            raise ValueError("HybridParallel: variable_batch=True updates the classifier after each of the K rounds "
+            raise ValueError(f"{who}: variable_batch=True updates the classifier after each of the K rounds "
                              "of scheme 'b' or 'c'; scheme 'a' has one round. Use scheme='b' or 'c'")
         if not isinstance(features, nn.Module):
-            raise TypeError(f"HybridParallel: features must be an nn.Module, got {type(features).__name__}")
-        linears = _check_classifier(classifier)
-        state = runtime()
+            raise TypeError(f"{who}: features must be an nn.Module, got {type(features).__name__}")
+        linears = _check_classifier(classifier, who)
         members = member_set(process_set, "HybridParallel")
         ranks = list(members.ranks)
         if len(ranks) < 2:
-            raise ValueError(f"HybridParallel on rank {state.rank}: process set {members.process_set_id} has one "
+            raise ValueError(f"{who}: process set {members.process_set_id} has one "
                              f"rank ({ranks}); the classifier needs at least 2 members to shard over. With one "
                              f"process train nn.Sequential(features, classifier), or pass a set of 2 or more ranks")
-        self.wire = Wire(compression)
+        self.wire = Wire(compression, who)
         self.scheme, self.process_set, self.variable_batch = scheme, members, bool(variable_batch)
         self.features = features
         self._name = f"HybridParallel.{next(_instances)}"
@@ -178,9 +179,10 @@ class HybridParallel(nn.Module):
             first = self._stages[0]
             shapes = ", ".join(f"rank {rank}: {row[3]}-d, {row[4]} features in dimension 1" for rank, row in bad)
             local = f"; on rank {runtime().rank} it has shape {tuple(h.shape)}" if not fits else ""
-            raise ValueError(f"HybridParallel: the features' output does not match {_where(first.index, first.linear)}, "
-                             f"which takes (batch, {self.in_features}) ({shapes}{local}). End features with "
-                             f"nn.Flatten() or make classifier[{first.index}].in_features equal its output's size")
+            raise ValueError(f"HybridParallel on rank {runtime().rank}: the features' output does not match "
+                             f"{_where(first.index, first.linear)}, which takes (batch, {self.in_features}) "
+                             f"({shapes}{local}). End features with nn.Flatten() or make "
+                             f"classifier[{first.index}].in_features equal its output's size")
         batch_sizes = [row[0] for row in agreed.tolist()]
         input_grad = any(row[2] for row in agreed.tolist())
         return ClassifierPass(self._stages, self._exchange, plan_rounds(self.scheme, batch_sizes),
@@ -191,15 +193,11 @@ class HybridParallel(nn.Module):
         """The unsharded state on every member: ``features.*`` as ``features.state_dict()``,
         ``classifier.*`` as the whole classifier's (every Linear at its full size)."""
         state = {f"features.{key}": value.detach().clone() for key, value in self.features.state_dict().items()}
-        handles = []
-        for stage in self._stages:
-            for kind, tensor in (("weight", stage.linear.weight), ("bias", stage.linear.bias)):
-                if tensor is not None:
-                    handles.append((f"classifier.{stage.index}.{kind}",
-                                    c.allgather_async(tensor.detach(), name=f"{self._name}.full.{stage.index}.{kind}",
-                                                      process_set=self.process_set)))
-        for key, handle in handles:
-            state[key] = c.synchronize(handle)
+        shards = [(f"classifier.{stage.index}.{kind}", getattr(stage.linear, kind)) for stage in self._stages
+                  for kind in ("weight", "bias") if getattr(stage.linear, kind) is not None]
+        gathered = c.grouped_allgather([tensor.detach() for _, tensor in shards], name=f"{self._name}.full",
+                                       process_set=self.process_set)
+        state.update((key, tensor) for (key, _), tensor in zip(shards, gathered))
         return dict(sorted(state.items()))
 
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
@@ -211,8 +209,8 @@ class HybridParallel(nn.Module):
         unexpected = sorted(key for key in state if not key.startswith("features.") and key not in expected)
         missing = sorted(expected - set(state))
         if unexpected or missing:
-            raise KeyError(f"HybridParallel.load_full_state_dict: missing keys {missing}, unexpected keys "
-                           f"{unexpected}; pass what full_state_dict() returns")
+            raise KeyError(f"HybridParallel.load_full_state_dict on rank {runtime().rank}: missing keys {missing}, "
+                           f"unexpected keys {unexpected}; pass what full_state_dict() returns")
         position = self._exchange.position
         for stage in self._stages:
             rows = stage.columns(position)
@@ -223,8 +221,9 @@ class HybridParallel(nn.Module):
                 full = state[f"classifier.{stage.index}.{kind}"]
                 wanted = (sum(stage.widths), *target.shape[1:])
                 if tuple(full.shape) != wanted:
-                    raise ValueError(f"HybridParallel.load_full_state_dict: classifier.{stage.index}.{kind} has "
-                                     f"shape {tuple(full.shape)}, {_where(stage.index, stage.linear)} takes {wanted}")
+                    raise ValueError(f"HybridParallel.load_full_state_dict on rank {runtime().rank}: "
+                                     f"classifier.{stage.index}.{kind} has shape {tuple(full.shape)}, "
+                                     f"{_where(stage.index, stage.linear)} takes {wanted}")
                 with torch.no_grad():
                     target.copy_(full[rows])
         self.features.load_state_dict(features)
@@ -235,16 +234,16 @@ class HybridParallel(nn.Module):
                 f"variable_batch={self.variable_batch}, shard widths {widths}")
 
 
-def _check_classifier(classifier) -> List[int]:
+def _check_classifier(classifier, who: str) -> List[int]:
     """The positions of the classifier's Linear layers; a clear error for anything that cannot be sharded."""
     if not isinstance(classifier, nn.Sequential):
-        raise TypeError(f"HybridParallel: classifier must be an nn.Sequential of nn.Linear and element-wise layers, "
+        raise TypeError(f"{who}: classifier must be an nn.Sequential of nn.Linear and element-wise layers, "
                         f"got {type(classifier).__name__}")
     linears, previous = [], None
     for index, layer in enumerate(classifier):
         if type(layer) is nn.Linear:
             if previous is not None and layer.in_features != previous.out_features:
-                raise ValueError(f"HybridParallel: {_where(index, layer)} takes {layer.in_features} input features "
+                raise ValueError(f"{who}: {_where(index, layer)} takes {layer.in_features} input features "
                                  f"but the Linear before it gives {previous.out_features}")
             linears.append(index)
             previous = layer
@@ -252,10 +251,10 @@ def _check_classifier(classifier) -> List[int]:
             why = ("it mixes features across a row, which a shard of the columns cannot compute"
                    if isinstance(layer, (nn.Softmax, nn.LogSoftmax, nn.LayerNorm, nn.BatchNorm1d))
                    else "only nn.Linear (sharded) and element-wise layers without parameters can be sharded")
-            raise ValueError(f"HybridParallel: {_where(index, layer)} cannot be sharded: {why}. Move it into "
+            raise ValueError(f"{who}: {_where(index, layer)} cannot be sharded: {why}. Move it into "
                              f"features (before the classifier) or apply it to the model's output")
     if not linears:
-        raise ValueError("HybridParallel: the classifier has no nn.Linear to shard; put at least one in it")
+        raise ValueError(f"{who}: the classifier has no nn.Linear to shard; put at least one in it")
     return linears
 
 
@@ -294,9 +293,9 @@ def _mark_local_entries(module, state_dict, prefix, local_metadata) -> None:
 def _check_optimizer_holds(optimizer, parameters) -> None:
     held = {p for group in getattr(optimizer, "param_groups", []) for p in group["params"]}
     if not isinstance(optimizer, torch.optim.Optimizer) or not all(p in held for p in parameters):
-        raise ValueError("HybridParallel.train_step: the optimizer must be a torch.optim.Optimizer (or a "
-                         "DistributedOptimizer) over model.parameters(), shards included; it steps the shards "
-                         "after every round")
+        raise ValueError(f"HybridParallel.train_step on rank {runtime().rank}: the optimizer must be a "
+                         f"torch.optim.Optimizer (or a DistributedOptimizer) over model.parameters(), shards "
+                         f"included; it steps the shards after every round")
 
 
 def _step_only(optimizer: torch.optim.Optimizer, parameters) -> None:

@@ -14,18 +14,26 @@ member order:
 Forward of a round, on every member (element-wise layers run on the shard, before the gather)::
 
     X (B, d_0) -> Linear shard, element-wise -> y_1 (B, w_1) -> gather columns -> (B, d_1) -> ...
-               -> y_L (B, w_L) -> rows of member s to s (alltoall) -> s puts the K column blocks side by side
+               -> y_L (B, w_L)
 
-Backward of a round is the reverse of each exchange: the owners' logit gradients go back to
-the shards column block by column block (alltoall); each shard computes its weight gradient
-locally and a partial gradient of its whole input; the partials are summed over the shards,
-each member keeping its own columns (a reduce-scatter: an alltoall, then a sum), down to the
-round's input, whose summed gradient goes back to the rows' owners.
+and after the last round one alltoall hands every owner its rows of every shard's logit
+columns, which it puts side by side: its own examples' logits, all classes.
 
-Schedule: the next round's input transfer starts before this round's classifier compute;
-logit deliveries and input-gradient deliveries are collected at the end of the pass. One
-background thread runs the collectives in order, so a transfer overlaps compute, not
-another transfer.
+Backward is the reverse of each exchange: one alltoall takes the owners' logit gradients
+back to the shards, column block by column block; then, round by round, each shard
+computes its weight gradient locally and a partial gradient of its whole input; the
+partials are summed over the shards, each member keeping its own columns (a reduce-scatter:
+an alltoall, then a sum), down to the round's input; one last alltoall takes every row's
+partial input gradients to the row's owner, which sums them.
+
+Schedule: the next round's input transfer starts before this round's classifier compute
+(scheme (b): the next member's broadcast moves while this round's first Linear computes).
+The logits and the input gradients of all rounds travel in one exchange each rather than
+one per round: every exchange is negotiated with the coordinator, a round trip of 1.0 ms at
+2 ranks and 2.0 ms at 4 on the project's 2-core machine (p50 of a 4-byte allreduce,
+docs/benchmarks.md), more than a round's logits or input gradients take to move over shared
+memory. One background thread runs the collectives in order, so a transfer overlaps
+compute, never another transfer.
 
 Gradient scale: each member's loss is the mean over its own ``b`` examples, and the
 reference is one process on the ``K·b`` batch, whose loss is the mean of the members'.
@@ -124,6 +132,13 @@ class ClassifierPass:
         self.stages, self.exchange, self.rounds = list(stages), exchange, list(rounds)
         self.name, self.input_grad, self.scale, self.features = name, input_grad, scale, features
         self.me = exchange.position
+        self.members = exchange.size
+
+    def _label(self, js: Sequence[int]) -> str:
+        return f"{self.name}.r{js[0]}" if len(js) == 1 else self.name
+
+    def _rows_of(self, member: int, js: Sequence[int]) -> int:
+        return sum(self.rounds[j].rows[member] for j in js)
 
     # ---------------------------------------------------------------- forward
     def start_input(self, j: int, h: torch.Tensor) -> Pending:
@@ -158,17 +173,18 @@ class ClassifierPass:
                 activation = torch.cat(pieces, dim=1)
         return saved[-1][1].detach(), saved
 
-    def start_delivery(self, j: int, logits: torch.Tensor) -> Pending:
-        """Start sending every owner its rows of this member's logit columns; delivers this member's rows, all columns."""
-        round_, last = self.rounds[j], self.stages[-1]
-        pieces = [logits[round_.offset(s):round_.offset(s) + rows] for s, rows in enumerate(round_.rows)]
-        shapes = [(round_.rows[self.me], width) for width in last.widths]
-        return self.exchange.scatter(pieces, shapes, f"{self.name}.r{j}.logits").then(
-            lambda parts: torch.cat(parts, dim=1))
+    def deliver_logits(self, js: Sequence[int], logits: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Send every owner its rows of this shard's logit columns of rounds ``js`` (``logits[k]``
+        of round ``js[k]``); returns this member's rows of those rounds, all columns."""
+        last = self.stages[-1]
+        pieces = [torch.cat([y[self.rounds[j].offset(s):self.rounds[j].offset(s) + self.rounds[j].rows[s]]
+                             for j, y in zip(js, logits)]) for s in range(self.members)]
+        shapes = [(self._rows_of(self.me, js), width) for width in last.widths]
+        return torch.cat(self.exchange.scatter(pieces, shapes, f"{self._label(js)}.logits").finish(), dim=1)
 
     def forward(self, h: torch.Tensor, parameters: Sequence[torch.Tensor], build_graph: bool):
         """This member's logits for its own examples, and each round's saved graph."""
-        deliveries, graphs = [], []
+        shards, graphs = [], []
         incoming = self.start_input(0, h) if self.rounds else None
         for j in range(len(self.rounds)):
             inputs = incoming.finish()
@@ -176,25 +192,31 @@ class ClassifierPass:
                 incoming = self.start_input(j + 1, h)  # moves while this round computes
             logits, saved = self.forward_round(j, inputs, parameters, build_graph)
             graphs.append(saved if build_graph else None)
-            deliveries.append(self.start_delivery(j, logits))
-        classes = sum(self.stages[-1].widths)
-        mine = [delivery.finish() for delivery in deliveries]
-        return torch.cat(mine) if mine else h.new_zeros((0, classes)), graphs
+            shards.append(logits)
+        if not self.rounds:
+            return h.new_zeros((0, sum(self.stages[-1].widths))), graphs
+        return self.deliver_logits(range(len(self.rounds)), shards), graphs
 
     # --------------------------------------------------------------- backward
-    def start_logit_grads(self, j: int, grad: torch.Tensor) -> Pending:
-        """Start sending each shard its columns of this member's logit gradient for round ``j``
-        (``grad``: this member's rows of the round); delivers ``(B, w_L)`` for this shard."""
-        round_, last = self.rounds[j], self.stages[-1]
-        pieces = [grad[:, last.columns(t)] for t in range(len(last.widths))]
-        shapes = [(rows, last.widths[self.me]) for rows in round_.rows]
-        return self.exchange.scatter(pieces, shapes, f"{self.name}.r{j}.logits.grad").then(torch.cat)
+    def deliver_logit_grads(self, js: Sequence[int], grad: torch.Tensor) -> List[torch.Tensor]:
+        """Send each shard its columns of this member's logit gradient ``grad`` (its rows of rounds
+        ``js``, in round order); returns this shard's ``(B, w_L)`` gradient of each of those rounds."""
+        last = self.stages[-1]
+        pieces = [grad[:, last.columns(t)] for t in range(self.members)]
+        shapes = [(self._rows_of(s, js), last.widths[self.me]) for s in range(self.members)]
+        received = self.exchange.scatter(pieces, shapes, f"{self._label(js)}.logits.grad").finish()
+        per_round, position = [], [0] * self.members
+        for j in js:
+            rows = self.rounds[j].rows
+            per_round.append(torch.cat([received[s][position[s]:position[s] + rows[s]] for s in range(self.members)]))
+            position = [position[s] + rows[s] for s in range(self.members)]
+        return per_round
 
     def backward_round(self, j: int, saved, parameters: Sequence[torch.Tensor], grad: torch.Tensor,
-                       accumulated: List[Optional[torch.Tensor]]) -> Optional[Pending]:
+                       accumulated: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
         """Backpropagate round ``j`` from this shard's logit gradient ``grad``: adds the parameters'
-        gradients into ``accumulated`` and starts the input gradient's way back to the rows' owners."""
-        round_ = self.rounds[j]
+        gradients into ``accumulated``; returns this shard's part of the gradient of the round's
+        input ``(B, d_0)`` (the members' parts sum to it), if the features need it."""
         index = len(parameters)
         for i in range(len(self.stages) - 1, -1, -1):
             stage = self.stages[i]
@@ -212,46 +234,40 @@ class ClassifierPass:
                     slot = index + k
                     accumulated[slot] = g if accumulated[slot] is None else accumulated[slot] + g
             partial = by_position.get(0)
-            if i > 0:
+            if partial is None and (i > 0 or self.input_grad):
+                partial = activation.new_zeros(activation.shape)
+            if i > 0:  # reduce-scatter of the columns: each shard sums the members' parts of its own
                 previous = self.stages[i - 1]
-                if partial is None:
-                    partial = activation.new_zeros(activation.shape)
-                pieces = [partial[:, previous.columns(t)] for t in range(len(previous.widths))]
-                shapes = [(round_.total, previous.widths[self.me])] * len(previous.widths)
-                parts = self.exchange.scatter(pieces, shapes, f"{self.name}.r{j}.l{previous.index}.grad").finish()
-                grad = _sum(parts)
-            elif self.input_grad:
-                if partial is None:
-                    partial = activation.new_zeros(activation.shape)
-                pieces = [partial[round_.offset(s):round_.offset(s) + rows] for s, rows in enumerate(round_.rows)]
-                shapes = [(round_.rows[self.me], self.features)] * len(round_.rows)
-                return self.exchange.scatter(pieces, shapes, f"{self.name}.r{j}.input.grad").then(_sum)
-        return None
+                pieces = [partial[:, previous.columns(t)] for t in range(self.members)]
+                shapes = [(self.rounds[j].total, previous.widths[self.me])] * self.members
+                grad = _sum(self.exchange.scatter(pieces, shapes, f"{self.name}.r{j}.l{previous.index}.grad").finish())
+        return partial if self.input_grad else None
 
-    def backward(self, graphs, parameters: Sequence[torch.Tensor], grad: torch.Tensor, batch: int):
-        """(gradient of this member's features' output ``(batch, d_0)`` or None, the parameters' gradients)."""
+    def return_input_grads(self, js: Sequence[int], partials: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Send every owner its rows of this shard's parts of the rounds' input gradients; returns
+        the sum over the shards for this member's rows of rounds ``js`` (in round order)."""
+        pieces = [torch.cat([p[self.rounds[j].offset(s):self.rounds[j].offset(s) + self.rounds[j].rows[s]]
+                             for j, p in zip(js, partials)]) for s in range(self.members)]
+        shapes = [(self._rows_of(self.me, js), self.features)] * self.members
+        return _sum(self.exchange.scatter(pieces, shapes, f"{self._label(js)}.input.grad").finish())
+
+    def backward(self, graphs, parameters: Sequence[torch.Tensor], grad: torch.Tensor):
+        """(gradient of this member's features' output or None, the parameters' gradients)."""
         grad = grad * self.scale if self.scale != 1.0 else grad
         accumulated: List[Optional[torch.Tensor]] = [None] * len(parameters)
-        order = list(range(len(self.rounds)))[::-1]
-        incoming = {j: self.start_logit_grads(j, self._mine(j, grad)) for j in order}
-        returning = []
-        for j in order:
-            back = self.backward_round(j, graphs[j], parameters, incoming.pop(j).finish(), accumulated)
-            returning.append((j, back))
+        js = list(range(len(self.rounds)))
+        if not js:
+            return (grad.new_zeros((0, self.features)) if self.input_grad else None), accumulated
+        shard_grads = self.deliver_logit_grads(js, grad)
+        partials = {}
+        for j in reversed(js):
+            partials[j] = self.backward_round(j, graphs[j], parameters, shard_grads[j], accumulated)
         if not self.input_grad:
             return None, accumulated
-        features = grad.new_zeros((batch, self.features))
-        for j, back in returning:
-            round_ = self.rounds[j]
-            features[round_.starts[self.me]:round_.starts[self.me] + round_.rows[self.me]] += back.finish()
+        features = self.return_input_grads(js, [partials[j] for j in js])
         if self.scale != 1.0:
             features /= self.scale
         return features, accumulated
-
-    def _mine(self, j: int, grad: torch.Tensor) -> torch.Tensor:
-        """This member's rows of round ``j`` in a tensor of its whole batch's rows (in round order)."""
-        round_ = self.rounds[j]
-        return grad[round_.starts[self.me]:round_.starts[self.me] + round_.rows[self.me]]
 
 
 def _sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -268,12 +284,12 @@ class HybridFunction(torch.autograd.Function):
     def forward(ctx, classifier_pass: ClassifierPass, h, *parameters):
         aliases = [p.detach().requires_grad_(p.requires_grad) for p in parameters]
         logits, graphs = classifier_pass.forward(h.detach(), aliases, build_graph=True)
-        ctx.classifier_pass, ctx.graphs, ctx.aliases, ctx.batch = classifier_pass, graphs, aliases, h.shape[0]
+        ctx.classifier_pass, ctx.graphs, ctx.aliases = classifier_pass, graphs, aliases
         return logits
 
     @staticmethod
     def backward(ctx, grad):
-        features, accumulated = ctx.classifier_pass.backward(ctx.graphs, ctx.aliases, grad.contiguous(), ctx.batch)
+        features, accumulated = ctx.classifier_pass.backward(ctx.graphs, ctx.aliases, grad.contiguous())
         ctx.graphs = None
         return (None, features, *accumulated)
 
@@ -285,11 +301,11 @@ def variable_batch_pass(classifier_pass: ClassifierPass, h: torch.Tensor, target
 
     Each round's loss is the mean over its B examples: every owner computes its rows' mean
     with ``loss_fn``, weighted by its share of the round. ``step()`` updates the shards from
-    their gradients. Returns (gradient of this member's features' output, the sum of ``loss_fn``
-    over this member's examples, as a float).
+    their gradients. Returns (gradient of this member's features' output or None, the sum of
+    ``loss_fn`` over this member's examples, as a float).
     """
     rounds, me = classifier_pass.rounds, classifier_pass.me
-    returning, loss_sum = [], 0.0
+    partials, loss_sum = [], 0.0
     incoming = classifier_pass.start_input(0, h) if rounds else None
     for j, round_ in enumerate(rounds):
         inputs = incoming.finish()
@@ -297,7 +313,7 @@ def variable_batch_pass(classifier_pass: ClassifierPass, h: torch.Tensor, target
             incoming = classifier_pass.start_input(j + 1, h)
         aliases = [p.detach().requires_grad_(p.requires_grad) for p in parameters]  # this round's weights
         logits, saved = classifier_pass.forward_round(j, inputs, aliases, build_graph=True)
-        mine = classifier_pass.start_delivery(j, logits).finish()
+        mine = classifier_pass.deliver_logits([j], [logits])
         rows = round_.rows[me]
         if rows:
             mine.requires_grad_()
@@ -308,14 +324,11 @@ def variable_batch_pass(classifier_pass: ClassifierPass, h: torch.Tensor, target
         else:
             grad = mine.detach()
         accumulated: List[Optional[torch.Tensor]] = [None] * len(parameters)
-        shard_grad = classifier_pass.start_logit_grads(j, grad).finish()
-        returning.append((round_, classifier_pass.backward_round(j, saved, aliases, shard_grad, accumulated)))
+        shard_grad, = classifier_pass.deliver_logit_grads([j], grad)
+        partials.append(classifier_pass.backward_round(j, saved, aliases, shard_grad, accumulated))
         for p, g in zip(parameters, accumulated):
             p.grad = g
         step()
-    features = None
-    if classifier_pass.input_grad:
-        features = h.new_zeros((h.shape[0], classifier_pass.features))
-        for round_, back in returning:
-            features[round_.starts[me]:round_.starts[me] + round_.rows[me]] += back.finish()
-    return features, loss_sum
+    if not classifier_pass.input_grad or not rounds:
+        return None, loss_sum
+    return classifier_pass.return_input_grads(range(len(rounds)), partials), loss_sum

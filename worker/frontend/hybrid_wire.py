@@ -52,12 +52,13 @@ WIRE_NAMES = {Compression.none: "none", Compression.fp16: "fp16", Compression.in
 class Wire:
     """A wire format: ``encode`` a piece to a flat payload, ``decode`` it from the payload and its shape."""
 
-    def __init__(self, compression):
+    def __init__(self, compression, who: str = "HybridParallel"):
         compression = Compression.none if compression is None else compression
-        if compression not in WIRE_NAMES:
-            raise TypeError(f"HybridParallel: compression={compression!r} is not a wire format for activations; "
-                            f"pass None, ringmaster.Compression.fp16, .int8 or .linear8 (a compressor's context "
-                            f"cannot travel with the activations, and sparsifiers are for gradients)")
+        if not any(compression is known for known in WIRE_NAMES):
+            raise TypeError(f"{who}: compression={compression!r} is not a wire format for activations; pass None, "
+                            f"ringmaster.Compression.fp16, ringmaster.Compression.int8 or "
+                            f"ringmaster.Compression.linear8 (a compressor's context cannot travel with the "
+                            f"activations, and sparsifiers are for gradients)")
         self.compression = compression
         self.name = WIRE_NAMES[compression]
         self.eight_bit = isinstance(compression, type) and issubclass(compression, WireCompressor)
