@@ -47,8 +47,8 @@ def build():
     """(features, classifier), the same on every rank."""
     torch.manual_seed(seed("model"))
     features = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten())  # (b, 1, 5, 5) -> (b, 27)
-    classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(27, 11), nn.ReLU(), nn.Linear(11, 7), nn.Tanh(),
-                               nn.Dropout(0.0), nn.Linear(7, CLASSES))
+    classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(27, 11), nn.ReLU(inplace=True), nn.Linear(11, 7),
+                               nn.Tanh(), nn.Dropout(0.0), nn.Linear(7, CLASSES))
     return features, classifier
 
 

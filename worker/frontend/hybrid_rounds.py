@@ -45,7 +45,6 @@ over the members as in pure data parallelism.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -153,25 +152,31 @@ class ClassifierPass:
         return self.exchange.gather(mine, shapes, name).then(lambda pieces: torch.cat(pieces))
 
     def forward_round(self, j: int, inputs: torch.Tensor, parameters: Sequence[torch.Tensor], build_graph: bool):
-        """Round ``j`` through the shards: (this member's logit columns ``(B, w_L)``, what backward needs)."""
+        """Round ``j`` through the shards: (this member's logit columns ``(B, w_L)``, what backward needs).
+
+        The Linear layers' gradients are computed by hand in :meth:`backward_round` (into one
+        accumulator per parameter); autograd records only the element-wise layers after them.
+        """
         saved, weights, activation = [], iter(parameters), inputs
         batch = self.rounds[j].total
         for i, stage in enumerate(self.stages):
             weight = next(weights)
             bias = next(weights) if stage.linear.bias is not None else None
-            grad_context = torch.enable_grad() if build_graph else contextlib.nullcontext()
-            with grad_context:
-                if build_graph:
-                    activation = activation.detach().requires_grad_(i > 0 or self.input_grad)
-                output = F.linear(activation, weight, bias)
+            with torch.no_grad():
+                before = F.linear(activation, weight, bias)
+            leaf = before.requires_grad_() if build_graph and stage.post else None
+            with torch.enable_grad() if leaf is not None else torch.no_grad():
+                output = before
+                if leaf is not None and any(getattr(layer, "inplace", False) for layer in stage.post):
+                    output = leaf.clone()  # an in-place layer (ReLU(inplace=True)) must not write into the leaf
                 for layer in stage.post:
                     output = layer(output)
-            saved.append((activation, output))
+            saved.append((activation, leaf, output))
             if i + 1 < len(self.stages):
                 shapes = [(batch, width) for width in stage.widths]
                 pieces = self.exchange.gather(output.detach(), shapes, f"{self.name}.r{j}.l{stage.index}").finish()
                 activation = torch.cat(pieces, dim=1)
-        return saved[-1][1].detach(), saved
+        return saved[-1][2].detach(), saved
 
     def deliver_logits(self, js: Sequence[int], logits: Sequence[torch.Tensor]) -> torch.Tensor:
         """Send every owner its rows of this shard's logit columns of rounds ``js`` (``logits[k]``
@@ -215,27 +220,25 @@ class ClassifierPass:
     def backward_round(self, j: int, saved, parameters: Sequence[torch.Tensor], grad: torch.Tensor,
                        accumulated: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
         """Backpropagate round ``j`` from this shard's logit gradient ``grad``: adds the parameters'
-        gradients into ``accumulated``; returns this shard's part of the gradient of the round's
-        input ``(B, d_0)`` (the members' parts sum to it), if the features need it."""
+        gradients into ``accumulated`` (in place from the second round on: no fresh weight-sized
+        tensor per round); returns this shard's part of the gradient of the round's input
+        ``(B, d_0)`` (the members' parts sum to it), if the features need it."""
         index = len(parameters)
+        partial = None
         for i in range(len(self.stages) - 1, -1, -1):
             stage = self.stages[i]
-            count = len(stage.parameters())
-            index -= count
-            activation, output = saved[i]
-            wanted = [(position, tensor) for position, tensor in
-                      enumerate([activation, *parameters[index:index + count]]) if tensor.requires_grad]
-            grads = torch.autograd.grad(output, [tensor for _, tensor in wanted], grad,
-                                        allow_unused=True) if wanted and output.requires_grad else []
-            by_position = {position: g for (position, _), g in zip(wanted, grads)}
-            for k in range(count):
-                g = by_position.get(k + 1)
-                if g is not None:
-                    slot = index + k
-                    accumulated[slot] = g if accumulated[slot] is None else accumulated[slot] + g
-            partial = by_position.get(0)
-            if partial is None and (i > 0 or self.input_grad):
-                partial = activation.new_zeros(activation.shape)
+            index -= len(stage.parameters())
+            activation, leaf, output = saved[i]
+            if leaf is not None:  # through the element-wise layers
+                grad, = torch.autograd.grad(output, leaf, grad)
+            weight = parameters[index]
+            bias = parameters[index + 1] if stage.linear.bias is not None else None
+            if weight.requires_grad:
+                _accumulate(accumulated, index, grad.t(), activation)
+            if bias is not None and bias.requires_grad:
+                _accumulate(accumulated, index + 1, grad.sum(0))
+            if i > 0 or self.input_grad:
+                partial = grad @ weight.detach()
             if i > 0:  # reduce-scatter of the columns: each shard sums the members' parts of its own
                 previous = self.stages[i - 1]
                 pieces = [partial[:, previous.columns(t)] for t in range(self.members)]
@@ -268,6 +271,17 @@ class ClassifierPass:
         if self.scale != 1.0:
             features /= self.scale
         return features, accumulated
+
+
+def _accumulate(accumulated: List[Optional[torch.Tensor]], slot: int, value: torch.Tensor,
+                right: Optional[torch.Tensor] = None) -> None:
+    """``accumulated[slot] += value`` (``value @ right`` when ``right`` is given), in place once it exists."""
+    if accumulated[slot] is None:
+        accumulated[slot] = value @ right if right is not None else value.clone()
+    elif right is not None:
+        accumulated[slot].addmm_(value, right)
+    else:
+        accumulated[slot] += value
 
 
 def _sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
