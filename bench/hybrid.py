@@ -44,14 +44,14 @@ def progress(text):
         print(f"[bench] {text}", file=sys.stderr, flush=True)
 
 
-def alexnet_shaped(classes=1000):
-    """(features, classifier) of AlexNet's shape for 3×48×48 images."""
+def alexnet_shaped(classes=1000, width=4096):
+    """(features, classifier) of AlexNet's shape for 3×48×48 images (``width``: the hidden Linear layers' units)."""
     features = nn.Sequential(
         nn.Conv2d(3, 64, 5, stride=2, padding=2), nn.ReLU(), nn.MaxPool2d(2),    # 64×12×12
         nn.Conv2d(64, 192, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),            # 192×6×6
         nn.Conv2d(192, 256, 3, padding=1), nn.ReLU(), nn.Flatten())              # 9216
-    classifier = nn.Sequential(nn.Dropout(0.5), nn.Linear(9216, 4096), nn.ReLU(), nn.Dropout(0.5),
-                               nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, classes))
+    classifier = nn.Sequential(nn.Dropout(0.5), nn.Linear(9216, width), nn.ReLU(), nn.Dropout(0.5),
+                               nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes))
     return features, classifier
 
 
@@ -66,9 +66,9 @@ class Trainer:
         self.optimizer.step()
 
 
-def make_trainer(mode, batch, lr):
+def make_trainer(mode, batch, lr, width):
     torch.manual_seed(0)
-    features, classifier = alexnet_shaped()
+    features, classifier = alexnet_shaped(width=width)
     if mode in ("no-comm", "data-parallel"):
         model = nn.Sequential(features, classifier)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -123,6 +123,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first")
     parser.add_argument("--int8", action="store_true", help="also each scheme with 8-bit activations")
     parser.add_argument("--lr", type=float, default=0.001)
+    parser.add_argument("--width", type=int, default=4096, help="units of the hidden Linear layers (AlexNet: 4096)")
     args = parser.parse_args()
 
     rm.init()
@@ -133,11 +134,11 @@ def main():
     modes = ["no-comm", "data-parallel"] + [f"hybrid-{scheme}" for scheme in SCHEMES]
     if args.int8:
         modes += [f"hybrid-{scheme} int8" for scheme in SCHEMES]
-    trainers = {mode: make_trainer(mode, batch, args.lr) for mode in modes}
+    trainers = {mode: make_trainer(mode, batch, args.lr, args.width) for mode in modes}
     results = measure(trainers, args.rounds, args.steps, args.warmup)
 
     if rm.rank() == 0:
-        features, classifier = alexnet_shaped()
+        features, classifier = alexnet_shaped(width=args.width)
         count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
         print(f"\nAlexNet-shaped model: features {count(features) / 1e6:.2f} M weights, classifier "
               f"{count(classifier) / 1e6:.1f} M; {rm.size()} ranks, batch {args.batch_size} per rank, 1 torch "
