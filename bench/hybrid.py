@@ -20,8 +20,9 @@ per rank, every rank on its own random batch:
   with 8-bit activations).
 
 A step is zero_grad, forward, backward and the optimizer's step; its time is the slowest
-rank's. Prints the median step time, its ratio to data parallelism's, and the bytes each rank
-sent per step (``rm.bytes_sent()``, mean over ranks) with their ratio to data parallelism's.
+rank's. Prints the median step time and its phases (each the slowest rank's median, so they
+need not add up to the step), its ratio to data parallelism's, and the bytes each rank sent
+per step (``rm.bytes_sent()``, mean over ranks) with their ratio to data parallelism's.
 Progress goes to stderr.
 """
 
@@ -61,9 +62,15 @@ class Trainer:
         self.images, self.labels = batch
 
     def step(self):
+        """One training step; returns the seconds of (forward, backward, optimizer step)."""
+        started = time.perf_counter()
         self.optimizer.zero_grad()
-        F.cross_entropy(self.model(self.images), self.labels).backward()
+        loss = F.cross_entropy(self.model(self.images), self.labels)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
         self.optimizer.step()
+        return forward - started, backward - forward, time.perf_counter() - backward
 
 
 def make_trainer(mode, batch, lr, width):
@@ -85,7 +92,8 @@ def make_trainer(mode, batch, lr, width):
 
 
 def measure(trainers, rounds, steps, warmup):
-    """{mode: (median seconds per step, slowest rank; bytes sent per step, mean over ranks)}."""
+    """{mode: (median seconds of (step, forward, backward, optimizer step), each the slowest rank's;
+    bytes sent per step, mean over ranks)}."""
     modes = list(trainers)
     for mode in modes:
         progress(f"warming up {mode}")
@@ -101,9 +109,8 @@ def measure(trainers, rounds, steps, warmup):
             rm.bytes_sent(reset=True)
             local = []
             for _ in range(steps):
-                started = time.perf_counter()
-                trainers[mode].step()
-                local.append(time.perf_counter() - started)
+                phases = trainers[mode].step()
+                local.append([sum(phases), *phases])
             sent[mode].append(rm.bytes_sent()["total"] / steps)
             slowest = rm.allreduce(torch.tensor(local, dtype=torch.float64), op=rm.Max, name=f"times.{mode}")
             times[mode].extend(slowest.tolist())
@@ -111,7 +118,7 @@ def measure(trainers, rounds, steps, warmup):
     for mode in modes:
         per_rank = rm.allreduce(torch.tensor(statistics.median(sent[mode]), dtype=torch.float64),
                                 op=rm.Average, name=f"bytes.{mode}").item()
-        result[mode] = (statistics.median(times[mode]), per_rank)
+        result[mode] = ([statistics.median(column) for column in zip(*times[mode])], per_rank)
     return result
 
 
@@ -143,12 +150,14 @@ def main():
         print(f"\nAlexNet-shaped model: features {count(features) / 1e6:.2f} M weights, classifier "
               f"{count(classifier) / 1e6:.1f} M; {rm.size()} ranks, batch {args.batch_size} per rank, 1 torch "
               f"thread per rank; median of {args.rounds} x {args.steps} steps, slowest rank")
-        print("| mode | step ms | vs data-parallel | MB sent per rank per step | bytes vs data-parallel |")
-        print("|---|---|---|---|---|")
-        dp_time, dp_bytes = results["data-parallel"]
-        for mode, (seconds, sent) in results.items():
+        print("| mode | step ms | forward | backward | optimizer | vs data-parallel | MB sent per rank per step "
+              "| bytes vs data-parallel |")
+        print("|---|---|---|---|---|---|---|---|")
+        (dp_time, *_), dp_bytes = results["data-parallel"]
+        for mode, ((seconds, *phases), sent) in results.items():
             fewer = f"{dp_bytes / sent:.1f} × fewer" if sent else "—"
-            print(f"| {mode} | {seconds * 1e3:.1f} | {seconds / dp_time:.2f} × | {sent / 1e6:.2f} | {fewer} |")
+            print(f"| {mode} | {seconds * 1e3:.1f} | " + " | ".join(f"{phase * 1e3:.1f}" for phase in phases)
+                  + f" | {seconds / dp_time:.2f} × | {sent / 1e6:.2f} | {fewer} |")
     rm.shutdown()
 
 

@@ -94,7 +94,9 @@ def test_hybrid_benchmark_prints_step_times_and_bytes():
                           "--width", "256", "--batch-size", "4", "--rounds", "1", "--steps", "1", "--warmup", "1"],
                          timeout=80, env=job_environment())
     assert result.returncode == 0, result.output[-3000:]
-    rows = dict(re.findall(r"^\| ([\w-]+) \| [0-9.]+ \| [0-9.]+ × \| [0-9.]+ \| (.+) \|$", result.stdout, re.MULTILINE))
+    number = r" [0-9.]+ \|"
+    rows = dict(re.findall(rf"^\| ([\w-]+) \|{number * 4} [0-9.]+ × \|{number} (.+) \|$", result.stdout,
+                           re.MULTILINE))
     assert set(rows) == {"no-comm", "data-parallel", "hybrid-a", "hybrid-b", "hybrid-c"}, result.stdout
     assert rows["no-comm"] == "—" and rows["data-parallel"] == "1.0 × fewer", rows
 
