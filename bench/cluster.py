@@ -11,7 +11,9 @@ from host 1, in one run:
 2. ``bench/link_allreduce.py``: allreduce bus bandwidth of ringmaster's ring, of the ring
    moving 8-bit codes, and of raw MPI, against the line rate;
 3. ``bench/compression.py``: step time and bytes per step of dense, fp16, int8, linear8,
-   rgc and topk training of a 14.4 M-parameter MLP, one rank per host.
+   rgc and topk training of a 14.4 M-parameter MLP, one rank per host;
+4. with ``--hybrid``, ``bench/hybrid.py``: HybridParallel's schemes against data parallelism
+   on the AlexNet-shaped model, one rank per host.
 
 Prints each table as it comes. Needs root, ``ip netns``, tc and sshd
 (``bash tests/cluster/setup.sh`` installs what is missing); the cluster is torn down at the
@@ -59,6 +61,7 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--skip-training", action="store_true", help="only the link and allreduce tables")
     parser.add_argument("--rounds", type=int, default=2, help="bench/compression.py rounds")
+    parser.add_argument("--hybrid", action="store_true", help="also bench/hybrid.py (AlexNet-shaped model)")
     args = parser.parse_args()
     reason = ncl.unavailable_reason()
     if reason:
@@ -75,6 +78,10 @@ def main():
         print(table(out) + "\n", flush=True)
         if not args.skip_training:
             out = run_on_first_host(cluster, ringrun(cluster, "compression.py", "--rounds", args.rounds, "--steps", 2,
+                                                     "--warmup", 1), timeout=1800)
+            print(table(out), flush=True)
+        if args.hybrid:
+            out = run_on_first_host(cluster, ringrun(cluster, "hybrid.py", "--rounds", args.rounds, "--steps", 2,
                                                      "--warmup", 1), timeout=1800)
             print(table(out), flush=True)
 

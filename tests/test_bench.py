@@ -88,6 +88,19 @@ def test_compression_benchmark_prints_bytes_and_step_times():
     assert float(rows["dense"]) == 1.0 and 3.9 <= float(rows["int8"]) <= 4.0 and float(rows["rgc"]) > 10, rows
 
 
+@pytest.mark.timeout(90)
+def test_hybrid_benchmark_prints_step_times_and_bytes():
+    result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "hybrid.py"),
+                          "--width", "256", "--batch-size", "4", "--rounds", "1", "--steps", "1", "--warmup", "1"],
+                         timeout=80, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    number = r" [0-9.]+ \|"
+    rows = dict(re.findall(rf"^\| ([\w-]+) \|{number * 4} [0-9.]+ × \|{number} (.+) \|$", result.stdout,
+                           re.MULTILINE))
+    assert set(rows) == {"no-comm", "data-parallel", "hybrid-a", "hybrid-b", "hybrid-c"}, result.stdout
+    assert rows["no-comm"] == "—" and rows["data-parallel"] == "1.0 × fewer", rows
+
+
 @pytest.mark.timeout(120)
 def test_cluster_benchmark_runs_across_shaped_hosts():
     sys.path.insert(0, str(BENCH.parent / "tests" / "cluster"))

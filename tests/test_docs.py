@@ -17,8 +17,9 @@ API = ROOT / "docs" / "api.md"
 CONFIGURATION = ROOT / "docs" / "configuration.md"
 CONFIG_SOURCE = ROOT / "common" / "config.py"
 
-#: A documented callable: `rm.name(...)`, `ProcessSet.name(...)`, `optimizer.name(...)`, ...
-SIGNATURE = re.compile(r"^(rm|ProcessSet|optimizer|Compressor)\.(\w+)\((.*)\)$")
+#: A documented callable: `rm.name(...)`, `rm.parallel.name(...)`, `ProcessSet.name(...)`,
+#: `optimizer.name(...)`, `HybridParallel.name(...)`, ...
+SIGNATURE = re.compile(r"^(rm\.parallel|rm|ProcessSet|optimizer|Compressor|HybridParallel)\.(\w+)\((.*)\)$")
 
 
 def _public_names() -> list:
@@ -110,6 +111,8 @@ def _resolve(prefix: str, name: str, rm):
         "rm": rm,
         "ProcessSet": rm.ProcessSet,
         "Compressor": rm.Compressor,
+        "rm.parallel": rm.parallel,
+        "HybridParallel": rm.parallel.HybridParallel,
         # the methods DistributedOptimizer adds to the optimizer it returns
         "optimizer": importlib.import_module("ringmaster.worker.frontend.optimizer")._DistributedOptimizer,
     }
@@ -123,7 +126,7 @@ def _signature_problems(span: str, rm, namespace: dict) -> list:
     except AttributeError:
         return [f"`{span}`: {prefix}.{name} does not exist"]
     actual = list(inspect.signature(target).parameters.values())
-    if prefix in ("ProcessSet", "optimizer") and actual and actual[0].name == "self":
+    if prefix in ("ProcessSet", "optimizer", "HybridParallel") and actual and actual[0].name == "self":
         actual = actual[1:]
     try:
         documented = _documented_parameters(text)

@@ -72,6 +72,43 @@ def test_an_optimizer_used_again_after_shutdown_and_init_negotiates_a_new_plan()
     assert sorted(result.lines_starting("RESULT")) == ["0 True True", "1 True True"], result.output[-3000:]
 
 
+@pytest.mark.timeout(90)
+def test_two_optimizers_over_copies_of_one_model_each_run_their_own_plan():
+    """Parameters of the same names, shapes and dtypes give two plans of two names, so that a
+    step of the first optimizer never runs the second one's plan (which would wait forever for
+    gradients the first one's backward does not produce)."""
+    result = mpirun(2, """
+        import copy, torch, torch.nn as nn, ringmaster as rm
+        torch.set_num_threads(1)
+        rm.init()
+        size, rank = rm.size(), rm.rank()
+        torch.manual_seed(0)
+        models = [nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)) for _ in range(2)]
+        references = [copy.deepcopy(model) for model in models]
+        optimizers = [rm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                              named_parameters=model.named_parameters()) for model in models]
+        reference_optimizers = [torch.optim.SGD(r.parameters(), lr=0.1, momentum=0.9) for r in references]
+        generator = torch.Generator().manual_seed(3)
+        for step in range(4):
+            for model, optimizer, reference, reference_optimizer in zip(models, optimizers, references,
+                                                                        reference_optimizers):
+                x = torch.randn(4 * size, 5, generator=generator)
+                optimizer.zero_grad()
+                model(x[4 * rank:4 * (rank + 1)]).square().mean().backward()
+                optimizer.step()
+                reference_optimizer.zero_grad()
+                (sum(reference(x[4 * r:4 * (r + 1)]).square().mean() for r in range(size)) / size).backward()
+                reference_optimizer.step()
+        worst = max((a - b).abs().max().item() for model, reference in zip(models, references)
+                    for a, b in zip(model.parameters(), reference.parameters()))
+        names = [optimizer._plan.request_name for optimizer in optimizers if optimizer._plan is not None]
+        print("RESULT", rank, worst < 1e-5, len(set(names)) == 2, flush=True)
+        rm.shutdown()
+    """, timeout=60)
+    assert result.returncode == 0, result.output[-3000:]
+    assert sorted(result.lines_starting("RESULT")) == ["0 True True", "1 True True"], result.output[-3000:]
+
+
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("deferred, overlap_all, expected", [
     ([True, False, True, False, True], False, [0, 4, 3, 2, 1]),  # small head from the hooks, the rest last first

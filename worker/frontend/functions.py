@@ -10,6 +10,7 @@ from typing import Any, List, Optional
 import torch
 
 from ringmaster.worker.frontend import collectives
+from ringmaster.worker.frontend.local_parameters import is_local
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set, member_set
 
@@ -22,6 +23,8 @@ def broadcast_parameters(params, root_rank: int) -> None:
 
     ``params`` is a ``state_dict()`` (a mapping of names to tensors) or the output of
     ``named_parameters()`` / ``parameters()``. Call it on every rank, with the same model.
+    The shards of a model-parallel layer (``rm.parallel.HybridParallel``) are left as they
+    are: each rank holds another part of the layer.
     """
     if isinstance(params, collections.abc.Mapping):
         named = sorted(params.items())
@@ -36,6 +39,8 @@ def broadcast_parameters(params, root_rank: int) -> None:
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"broadcast_parameters: entry {name or index!r} is a {type(tensor).__name__}, "
                                  f"not a tensor; pass model.state_dict() or model.named_parameters()")
+            if is_local(tensor):
+                continue
             label = name if name is not None else str(index)
             handles.append(collectives.broadcast_async_(tensor, root_rank, name=f"broadcast_parameters.{label}"))
     finally:  # wait for what was started even when a later entry is invalid
@@ -114,13 +119,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     requires grad and has none gets a zero gradient, and the optimizer takes one local step
     (no communication) so that its state exists before it is broadcast. Unlike Horovod, the
     parameters are then restored, so that a weight decay applied to the zero gradients
-    leaves no trace. Parameters that do not require grad keep ``grad`` ``None``.
+    leaves no trace. Parameters that do not require grad keep ``grad`` ``None``. The shards
+    of a model-parallel layer (``rm.parallel.HybridParallel``) keep this rank's state.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     state = runtime()
     is_root = state.rank == collectives._check_root(root_rank, "broadcast_optimizer_state")
     _create_state(optimizer)
+    # A model-parallel shard's state (its momentum) is this rank's: it stays.
+    own = {p: optimizer.state[p] for group in optimizer.param_groups for p in group["params"]
+           if is_local(p) and p in optimizer.state}
     local = optimizer.state_dict()
     # The structure (and every Python value) travels pickled; tensors travel as tensors.
     tensors: List[torch.Tensor] = []
@@ -143,6 +152,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         raise ValueError(f"broadcast_optimizer_state: rank {state.rank} cannot take rank {root_rank}'s "
                          f"optimizer state ({error}); every rank must build the same optimizer over the "
                          f"same parameters") from None
+    for p, own_state in own.items():
+        optimizer.state[p] = own_state
 
 
 def _create_state(optimizer: torch.optim.Optimizer) -> None:

@@ -24,6 +24,7 @@ from ringmaster.worker.compression.compressors import Compression, wire_format
 from ringmaster.worker.frontend import collectives
 from ringmaster.worker.frontend.calibration import calibrated
 from ringmaster.worker.frontend.differentiable import allreduce
+from ringmaster.worker.frontend.local_parameters import is_local
 from ringmaster.worker.frontend.sparse import sparse_allreduce_async
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.errors import RingmasterError
@@ -58,7 +59,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._parameter_names = _parameter_names(self.param_groups, named_parameters)
         ordered = [p for group in self.param_groups for p in group["params"]]
-        self._requires_update = [p for p in ordered if p.requires_grad]
+        # A model-parallel shard (rm.parallel.HybridParallel) is this rank's alone: its gradient
+        # is reduced by nobody, and step() applies it as it is.
+        self._requires_update = [p for p in ordered if p.requires_grad and not is_local(p)]
         self._delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._requires_update}
         # Parameter -> (handle, compression context, tensor sent); handle None: not started.
         self._handles: Dict[torch.Tensor, Tuple[Optional[int], object, Optional[torch.Tensor]]] = {}

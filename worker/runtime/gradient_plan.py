@@ -50,6 +50,7 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -150,7 +151,7 @@ class GradientPlan:
         self.index = {p: i for i, p in enumerate(self.parameters)}
         self.buckets = _make_buckets(self.parameters)
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.indices}
-        self.request_name = "DistributedOptimizer.plan." + _signature(self.parameters, self.names)
+        self.request_name = "DistributedOptimizer.plan." + _numbered(_signature(self.parameters, self.names))
         self._condition = threading.Condition()
         self._gradients: List[Optional[torch.Tensor]] = [None] * len(self.parameters)
         self._ready = [False] * len(self.parameters)
@@ -574,6 +575,21 @@ def _make_buckets(parameters: Sequence[torch.Tensor]) -> List[_Bucket]:
         run.append(index)
     close_run()
     return buckets
+
+
+#: How many plans of each signature this process has made: two optimizers over parameters of
+#: the same names, shapes and dtypes (two copies of a model) each need a plan of their own.
+_made: Counter = Counter()
+_made_lock = threading.Lock()
+
+
+def _numbered(signature: str) -> str:
+    """``signature``, then ``.N`` for the N-th plan of it made before this one. Every rank makes
+    its plans in the same order (each plan's vote is a collective), so they agree on N."""
+    with _made_lock:
+        earlier = _made[signature]
+        _made[signature] += 1
+    return f"{signature}.{earlier}" if earlier else signature
 
 
 def _signature(parameters: Sequence[torch.Tensor], names: Sequence[str]) -> str:
