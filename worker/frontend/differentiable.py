@@ -37,14 +37,6 @@ def _tracks_grad(tensors: Sequence) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _set_rank_and_size(process_set: ProcessSet):
-    """This rank's position in ``process_set`` and the set's size (global set: rank(), size())."""
-    if process_set is global_process_set:
-        state = c.runtime()
-        return state.rank, state.size
-    return process_set.rank(), process_set.size()
-
-
 # ----------------------------------------------------------------- allreduce
 def _allreduce_now(tensors, single: bool, average, name, op, prescale, postscale, process_set, wire_format=""):
     what = "allreduce" if single else "grouped_allreduce"
@@ -125,8 +117,7 @@ class _Allgather(torch.autograd.Function):
                                  process_set)
         # every member's first dimensions, one row per member in the set's order
         rows = c.allgather(torch.tensor([ctx.rows], dtype=torch.int64), process_set=process_set)
-        position, _ = _set_rank_and_size(process_set)
-        offsets = rows[:position].sum(dim=0).tolist()
+        offsets = rows[:process_set.rank()].sum(dim=0).tolist()
         return (None,) * 3 + tuple(r.narrow(0, int(offset), count)
                                    for r, offset, count in zip(reduced, offsets, ctx.rows))
 
@@ -226,7 +217,7 @@ class _Reducescatter(torch.autograd.Function):
             [c.allgather(grads[0], None, process_set)]
         factor = prescale * postscale
         if op == c.Average:
-            factor /= _set_rank_and_size(process_set)[1]
+            factor /= process_set.size()
         return (None,) * 6 + tuple(g * factor if factor != 1.0 else g for g in gathered)
 
 
