@@ -53,6 +53,9 @@ class Config:
             ``ringmaster.common.message_size``).
         max_pending_requests: how many tensors one rank may have declared that still wait for
             other ranks; a request beyond it fails with an error naming the cap (default 65536).
+        cache_capacity: how many negotiated collectives the response cache keeps, so that the
+            same call again runs without the coordinator (default 1024; 0 turns the cache off;
+            see ``ringmaster.worker.runtime.response_cache``).
     """
 
     coordinator_addr: Optional[str] = None
@@ -76,6 +79,7 @@ class Config:
     plan_overlap: str = "auto"
     max_message_bytes: int = 16 * MIB
     max_pending_requests: int = 65536
+    cache_capacity: int = 1024
 
 
 # environment variable -> (Config field, parser)
@@ -122,6 +126,17 @@ def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
         raise ValueError("must be a whole number >= 1")
+    return number
+
+
+#: The most slots a response cache may have: each costs one integer in every cycle's allreduce.
+MAX_CACHE_CAPACITY = 1 << 16
+
+
+def _cache_capacity(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= MAX_CACHE_CAPACITY:
+        raise ValueError(f"must be a whole number from 0 (no cache) to {MAX_CACHE_CAPACITY}")
     return number
 
 
@@ -188,6 +203,7 @@ ENVIRONMENT = {
     "RINGMASTER_PLAN_OVERLAP": ("plan_overlap", _plan_overlap),
     "RINGMASTER_MAX_MESSAGE_BYTES": ("max_message_bytes", _message_bytes),
     "RINGMASTER_MAX_PENDING_REQUESTS": ("max_pending_requests", _positive_int),
+    "RINGMASTER_CACHE_CAPACITY": ("cache_capacity", _cache_capacity),
 }
 
 

@@ -169,6 +169,11 @@ class Negotiator:
         if request.op_type == pb.JOIN:
             self._join(rank)
             return
+        if request.op_type == pb.CACHE_WAKE:
+            # Needs no other rank: it only tells every rank's response cache, at the same place
+            # in the order, that some rank has work for it (worker/runtime/response_cache.py).
+            self._ready.append(pb.Response(op_type=pb.CACHE_WAKE, names=[request.name]))
+            return
         set_id = request.process_set_id
         if set_id != GLOBAL_SET and not self._accept_set_request(rank, request):
             return
@@ -268,6 +273,9 @@ class Negotiator:
     def depart(self, rank: int, who: str) -> None:
         """``rank`` shut down: tensors it never submitted can never complete, so they fail now."""
         self._departed[rank] = who
+        # Response caches run their own collectives, which need every rank: tell the others.
+        self._ready.append(pb.Response(op_type=pb.CACHE_WAKE, names=["cache.wake"], error_kind=pb.RANK_FAILED,
+                                       error_message=f"rank {rank} ({who}) shut down"))
         for entry in list(self._pending.values()):
             self._fail_if_orphaned(entry)
         # A group of its set can get no more parts (each needs this rank): what is done goes out.

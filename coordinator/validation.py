@@ -23,6 +23,8 @@ from typing import NamedTuple, Optional
 from ringmaster.proto import ringmaster_pb2 as pb
 
 OP_NAMES = {v: k.lower() for k, v in pb.OpType.items()}
+#: Operations that concern every rank of the job: never in a process set, never grouped.
+WHOLE_JOB_OPS = (pb.JOIN, pb.PROCESS_SET_ADD, pb.PROCESS_SET_REMOVE, pb.CACHE_WAKE)
 REDUCE_NAMES = {v: k.title() for k, v in pb.ReduceOp.items()}
 
 #: Bytes per element of each dtype as it travels (bfloat16 is reduced in float32).
@@ -151,7 +153,7 @@ def _text_problem(field: str, text: str) -> Optional[Problem]:
 def _set_id_problem(request: pb.TensorRequest) -> Optional[Problem]:
     if request.process_set_id < 0:
         return Problem("process_set_id", str(request.process_set_id), "set ids are >= 0 (0: every rank)")
-    if request.process_set_id and request.op_type in (pb.JOIN, pb.PROCESS_SET_ADD, pb.PROCESS_SET_REMOVE):
+    if request.process_set_id and request.op_type in WHOLE_JOB_OPS:
         return Problem("process_set_id", str(request.process_set_id),
                        f"{OP_NAMES[request.op_type]} concerns the whole job: it runs in set 0")
     return None
@@ -165,7 +167,7 @@ def _group_problem(request: pb.TensorRequest, max_group_size: int) -> Optional[P
     problem = _name_problem("group", request.group)
     if problem:
         return problem
-    if request.op_type in (pb.JOIN, pb.PROCESS_SET_ADD, pb.PROCESS_SET_REMOVE):
+    if request.op_type in WHOLE_JOB_OPS:
         return Problem("group", f"'{shown(request.group, 40)}'", f"{OP_NAMES[request.op_type]} cannot be grouped")
     if not 1 <= request.group_size <= max_group_size:
         return Problem("group_size", str(request.group_size),

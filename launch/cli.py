@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "longer request and response lists go as several messages)")
     tuning.add_argument("--max-pending-requests", type=_number(int, 1, True), metavar="N",
                         help="tensors one rank may have waiting for other ranks (default 65536)")
+    tuning.add_argument("--cache-capacity", type=_number(int, 0, True), metavar="N",
+                        help="negotiated collectives each rank's response cache keeps, so that calling one "
+                             "again skips the coordinator (default 1024; 0: no cache)")
     tuning.add_argument("--timeline-filename", metavar="PATH",
                         help="record a Chrome-tracing timeline of every tensor to PATH ({rank} in PATH: "
                              "one file per rank; otherwise rank 0's)")
@@ -226,6 +229,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
         timeline_filename=args.timeline_filename, background_nice=args.background_nice,
         max_message_mb=args.max_message_mb, max_pending_requests=args.max_pending_requests,
+        cache_capacity=args.cache_capacity,
     )
     base_env = base_environment(environ, tuning)
     config = validated_config(base_env)

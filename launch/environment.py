@@ -40,6 +40,7 @@ def tuning_environment(
     background_nice: Optional[int] = None,
     max_message_mb: Optional[float] = None,
     max_pending_requests: Optional[int] = None,
+    cache_capacity: Optional[int] = None,
 ) -> Dict[str, str]:
     """The ``RINGMASTER_*`` variables for the tuning flags that were given (``None``: not given).
 
@@ -75,6 +76,8 @@ def tuning_environment(
         env["RINGMASTER_MAX_MESSAGE_BYTES"] = str(int(round(max_message_mb * MIB)))
     if max_pending_requests is not None:
         env["RINGMASTER_MAX_PENDING_REQUESTS"] = str(max_pending_requests)
+    if cache_capacity is not None:
+        env["RINGMASTER_CACHE_CAPACITY"] = str(cache_capacity)
     return env
 
 

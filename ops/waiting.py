@@ -68,13 +68,19 @@ def eagerly() -> Iterator[None]:
 
 def wait(request: MPI.Request) -> None:
     """Return once ``request`` has completed (like ``request.Wait()``, without spinning long)."""
+    wait_for(request, None)
+
+
+def wait_for(request: MPI.Request, timeout_s: Optional[float]) -> None:
+    """:func:`wait`, raising ``TimeoutError`` if ``request`` has not completed within ``timeout_s``."""
     if request.Test():
         return
     clock = time.perf_counter
-    deadline = clock() + SPIN_S
-    while clock() < deadline:
+    spin_until = clock() + SPIN_S
+    while clock() < spin_until:
         if request.Test():
             return
+    give_up_at = None if timeout_s is None else clock() + timeout_s
     longest = getattr(_thread_policy, "longest_pause_s", None) or LONGEST_PAUSE_S
     pause = min(FIRST_PAUSE_S, longest)
     # How often a long wait asks whether the job has ended: about every LONGEST_PAUSE_S.
@@ -83,6 +89,8 @@ def wait(request: MPI.Request) -> None:
     while not request.Test():
         time.sleep(pause)
         pause = min(pause * 2, longest)
+        if give_up_at is not None and clock() > give_up_at:
+            raise TimeoutError(f"MPI request not complete after {timeout_s:g} s")
         if pause == longest and _abort_check is not None:  # a long wait: has the job ended?
             pauses += 1
             if pauses % pauses_per_check == 0:

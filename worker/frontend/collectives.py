@@ -461,7 +461,7 @@ def poll(handle: int) -> bool:
     """True when the operation behind ``handle`` has finished (successfully or not)."""
     state = runtime()
     entry = state.handles.get(handle)
-    state.outbox.flush()  # a caller polling wants the result: don't leave its request waiting a cycle
+    state.flush()  # a caller polling wants the result: don't leave its request waiting a cycle
     return entry.done()
 
 
@@ -469,7 +469,7 @@ def synchronize(handle: int):
     """Wait for the operation behind ``handle`` and return its result (raises its error)."""
     state = runtime()
     entry = state.handles.get(handle)
-    state.outbox.flush()
+    state.flush()
     try:
         return entry.wait()
     finally:

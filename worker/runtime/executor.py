@@ -38,6 +38,9 @@ log = logging.getLogger("ringmaster.worker")
 
 _STOP = object()
 
+#: Responses the response cache may reuse (see ``response_cache``; kept here to avoid a cycle).
+CACHEABLE_OPS = (pb.ALLREDUCE, pb.BROADCAST)
+
 #: Tensors of at least this many bytes are never copied into the fusion buffer: at about
 #: 10 GB/s of memory bandwidth the two copies cost more than a separate allreduce call.
 UNFUSED_MIN_BYTES = 1 << 20
@@ -58,6 +61,7 @@ class Entry:
     copy_back: Optional[torch.Tensor] = None  # non-contiguous in-place target
     returns: Optional[torch.Tensor] = None    # in place: the caller's own tensor, handed back
     process_set_id: int = 0                  # the set that runs it (0: every rank)
+    cache_key: Optional[bytes] = None        # its request's bytes, if the response cache may reuse it
 
 
 class TensorTable:
@@ -82,6 +86,11 @@ class TensorTable:
 
     def drop(self, process_set_id: int, name: str) -> None:
         self.take(process_set_id, name)
+
+    def cache_keys(self, process_set_id: int, names) -> Dict[str, Optional[bytes]]:
+        """The cache key of each of ``names`` in flight here (a name not here: None)."""
+        with self._lock:
+            return {name: getattr(self._entries.get((process_set_id, name)), "cache_key", None) for name in names}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +142,7 @@ class Executor:
         self._plans: Dict[tuple, object] = {}
         self._attached_plans: List[object] = []  # plans given a communicator of their own, to free at the end
         self._stopping = False
+        self.cache = None  # the runtime's ResponseCache, told of the responses it may reuse
         self._thread = threading.Thread(target=self._run, name="ringmaster-background", daemon=True)
         self._run_response = {
             pb.ALLREDUCE: self._allreduce, pb.ALLGATHER: self._allgather, pb.BROADCAST: self._broadcast,
@@ -210,26 +220,37 @@ class Executor:
             self._expected_sequence += 1
             for response in item.responses:
                 recording = timeline.active()
-                try:
-                    if recording is None:
-                        self._execute(response)
-                    else:
-                        recording.end(response.names)  # out of the queue
-                        recording.begin(response.names, pb.OpType.Name(response.op_type))
-                        try:
-                            self._execute(response)
-                        finally:
-                            recording.end(response.names)
-                except Exception as error:  # noqa: BLE001 - every failure must reach the handles
-                    failure = RingmasterError(
-                        f"rank {self.rank}: {pb.OpType.Name(response.op_type).lower()} of "
-                        f"{list(response.names)}{_in_set(response)} failed: {type(error).__name__}: {error}")
-                    log.exception("collective failed")
-                    self._fail(response, failure)
-                    self._on_fatal(failure)
+                if recording is None:
+                    done = self.execute(response)
+                else:
+                    recording.end(response.names)  # out of the queue
+                    recording.begin(response.names, pb.OpType.Name(response.op_type))
+                    try:
+                        done = self.execute(response)
+                    finally:
+                        recording.end(response.names)
+                if not done:
                     return
 
+    def execute(self, response: pb.Response) -> bool:
+        """Run one response now, on the calling thread; False if it failed (its handles and the job fail)."""
+        try:
+            self._execute(response)
+            return True
+        except Exception as error:  # noqa: BLE001 - every failure must reach the handles
+            failure = RingmasterError(
+                f"rank {self.rank}: {pb.OpType.Name(response.op_type).lower()} of "
+                f"{list(response.names)}{_in_set(response)} failed: {type(error).__name__}: {error}")
+            log.exception("collective failed")
+            self._fail(response, failure)
+            self._on_fatal(failure)
+            return False
+
     def _execute(self, response: pb.Response) -> None:
+        if self.cache is not None:
+            self._tell_cache(response)
+        if response.op_type == pb.CACHE_WAKE:
+            return
         if response.error_kind != pb.NO_ERROR:
             error_type = {pb.MISMATCH: TensorMismatchError, pb.RANK_FAILED: RankFailedError}.get(
                 response.error_kind, RingmasterError)
@@ -239,6 +260,17 @@ class Executor:
         if group is None:
             return  # a set this rank is not a member of
         self._run_response[response.op_type](response, group)
+
+    def _tell_cache(self, response: pb.Response) -> None:
+        """Pass on what the response cache learns from the coordinator's order (before running it)."""
+        op = response.op_type
+        if op == pb.CACHE_WAKE:
+            self.cache.wake(response.error_message if response.error_kind != pb.NO_ERROR else None)
+        elif op == pb.JOIN:
+            self.cache.join_completed()
+        elif (op in CACHEABLE_OPS and response.error_kind == pb.NO_ERROR and response.process_set_id == 0
+              and not response.joined_ranks):
+            self.cache.propose(response, self.table.cache_keys(0, response.names))
 
     def _fail(self, response: pb.Response, error: BaseException) -> None:
         for name in response.names:

@@ -22,10 +22,11 @@ from ringmaster.worker.runtime import current, timeline
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
-from ringmaster.worker.runtime.executor import Entry, Executor, TensorTable
+from ringmaster.worker.runtime.executor import CACHEABLE_OPS, Entry, Executor, TensorTable
 from ringmaster.worker.runtime.handles import HandleTable
 from ringmaster.worker.runtime.outbox import Outbox
 from ringmaster.worker.runtime.process_sets import add_process_set, global_process_set
+from ringmaster.worker.runtime.response_cache import ResponseCache
 from ringmaster.worker.runtime.stack_dumps import install_dump_signal
 
 log = logging.getLogger("ringmaster.worker")
@@ -54,6 +55,7 @@ class Runtime:
                                  on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
                                  across_hosts=self.cross_size > 1, plan_overlap=config.plan_overlap,
                                  local_size=self.local_size)
+        self.cache = self._start_cache(comm, config)
         self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s,
                              heartbeat=lambda: pb.Heartbeat(plans=self.executor.plan_waits()),
                              max_message_bytes=config.max_message_bytes)
@@ -62,13 +64,38 @@ class Runtime:
             self.outbox, on_responses=self.executor.submit, on_fatal=self.fail,
             max_message_bytes=config.max_message_bytes)
         self.executor.start()
+        if self.cache is not None:
+            self.cache.start()
         waiting.set_abort_check(lambda: self.fatal_error)
         try:
             self.welcome = self.client.connect(config.start_timeout_s)
         except RingmasterError:
+            if self.cache is not None:
+                self.cache.stop(0)
             self.executor.stop(1)
             self.endpoint.stop(timeout_s=0)  # a coordinator this rank started must not outlive the failure
             raise
+
+    def _start_cache(self, comm, config: Config) -> Optional[ResponseCache]:
+        """The response cache (None when RINGMASTER_CACHE_CAPACITY is 0), on a communicator of its own."""
+        from mpi4py import MPI
+
+        lowest, highest = comm.allreduce(-config.cache_capacity, op=MPI.MAX), comm.allreduce(config.cache_capacity, op=MPI.MAX)
+        if -lowest != highest:
+            raise RingmasterError(
+                f"rank {self.rank}: RINGMASTER_CACHE_CAPACITY differs between ranks (from {-lowest} to {highest}; "
+                f"this rank has {config.cache_capacity}): every rank must use the same value (ringrun "
+                f"--cache-capacity sets it for all)")
+        if config.cache_capacity == 0:
+            return None
+        cache_comm = comm.Dup()
+        runner = Executor(cache_comm, self.table, config.allreduce_algorithm, on_join=self._joined,
+                          on_fatal=self.fail, across_hosts=self.cross_size > 1, local_size=self.local_size)
+        cache = ResponseCache(cache_comm, runner, config.cache_capacity, config.fusion_threshold_bytes,
+                              config.cycle_time_ms / 1000.0, negotiate=lambda requests: self.outbox.add(requests, True),
+                              on_fatal=self.fail)
+        self.executor.cache = cache
+        return cache
 
     # ----------------------------------------------------------- submitting
     def submit(self, entries: List[Entry], requests: List[pb.TensorRequest], flush: bool = False) -> None:
@@ -78,6 +105,10 @@ class Runtime:
         next flush or after one cycle, batched with whatever else was submitted meanwhile.
         """
         self.check_healthy()
+        if self.cache is not None:
+            for entry, request in zip(entries, requests):
+                if request.op_type in CACHEABLE_OPS and not request.group and not request.process_set_id:
+                    entry.cache_key = request.SerializeToString()
         added = []
         try:
             for entry in entries:
@@ -90,7 +121,17 @@ class Runtime:
         recording = timeline.active()
         if recording is not None:
             recording.begin([entry.name for entry in entries], f"NEGOTIATE_{pb.OpType.Name(entries[0].op_type)}")
+        if self.cache is not None:
+            requests = self.cache.submit(entries, requests, flush)
+            if not requests:
+                return
         self.outbox.add(requests, flush)
+
+    def flush(self) -> None:
+        """The caller is about to wait: send what is queued, and have the cache run a cycle."""
+        self.outbox.flush()
+        if self.cache is not None:
+            self.cache.flush()
 
     def submit_join(self, handle) -> None:
         self.check_healthy()
@@ -98,6 +139,8 @@ class Runtime:
             if self._join_handle is not None:
                 raise ValueError("join() is already in progress on this rank")
             self._join_handle = handle
+        if self.cache is not None:
+            self.cache.join_requested()
         # Gradient plans' steps are not negotiated: their threads answer the others' steps.
         self.executor.serve_joined_plans()
         self.outbox.add([pb.TensorRequest(name="join", op_type=pb.JOIN)], flush=True)
@@ -126,12 +169,17 @@ class Runtime:
         waiting.set_abort_check(None)
         if self.fatal_error is not None:
             return
+        # The cache stops first, while every rank still answers the coordinator: its last
+        # cycles need every rank, and a rank that has left can no longer take part.
+        cache_stopped = self.cache.stop() if self.cache is not None else True
         self.client.close()
         stopped = self.executor.stop()
         self.endpoint.stop()
         self.handles.fail_all(NotInitializedError("ringmaster was shut down before this operation finished"))
         if stopped:
             self.executor.free_process_sets()
+            if self.cache is not None and cache_stopped:
+                self.cache.comm.Free()
             self.comm.Free()
 
     def _forget_process_sets(self) -> None:

@@ -1,0 +1,460 @@
+"""The response cache: collectives negotiated once run again without the coordinator.
+
+A collective the coordinator has answered once (an allreduce or broadcast of the global
+set, under a name given by the caller) gets a *slot*. When a rank submits a collective
+whose request is byte for byte one it submitted before (name, op, dtype, shape, reduction,
+scaling, compression, root), that is a *hit*: instead of a gRPC round trip, the rank sets
+the slot's bit. A thread of its own in every rank, on a communicator of its own, runs
+*cycles*: each cycle is one small MPI allreduce (``MIN``) of a vector of integers
+
+    [candidates queued, idle, events seen, -events seen, closing, not suspending, bit per slot]
+
+and every rank gets the same result, so every rank knows the same things at the same cycle:
+
+- **which slots are ready everywhere** (their MIN bit is 1): they run at once, in slot
+  order, fused like the coordinator fuses (same dtype and scaling, up to the fusion
+  threshold), on the cache's communicator. Invariant 1 holds per communicator: on this
+  one only cycles and cached collectives travel, in the same order on every rank.
+- **which slots exist.** Slots are added and evicted only at cycle boundaries. The
+  background thread that runs the coordinator's responses *proposes* each cacheable one
+  it ran, in the coordinator's order, so every rank queues the same proposals in the same
+  order; after a cycle every rank applies the first MIN(queued) of them. A full cache
+  evicts the slot that ran least recently (by cycle number, the same everywhere). A hit
+  pending on an evicted slot is *withdrawn*: its request goes to the coordinator.
+  A hit on a name whose proposal is queued but not applied yet waits for it (it would
+  otherwise reach the coordinator while the other ranks' hits wait here).
+- **when to sleep.** Cycles run every ``cycle_time`` while some rank has cached work, at
+  once when a rank waits on a hit (flush). When every rank has been idle for
+  :data:`DORMANT_AFTER_S` and has seen the same number of *events* (proposals, and the
+  coordinator's ``CACHE_WAKE`` responses), all go dormant at the same cycle, at no CPU
+  cost. Events arrive on every rank in the coordinator's order, so the next event wakes
+  every rank, and every rank resumes at the same cycle. A rank with a hit while dormant
+  sends ``CACHE_WAKE`` to the coordinator, which answers every rank at once.
+- **when to stop** (every rank closing: ``shutdown()`` stops the cache before it leaves
+  the coordinator), and **when to step aside** (some rank called ``join()``: every pending
+  hit is withdrawn and, until the JOIN response, this rank negotiates everything, so
+  joined ranks contribute as they always do).
+
+A rank that leaves while others still use their caches is announced by the coordinator
+(a ``CACHE_WAKE`` response with an error): the cache then stops for good, abandoning a
+cycle that can no longer complete, and its hits go to the coordinator, which fails them
+with the usual error naming the rank that left.
+
+Everything the cache cannot decide goes to the coordinator, which keeps its checks: a hit
+still pending after :data:`WITHDRAW_AFTER_S` is withdrawn, so a rank that submits the
+name with another shape or never submits it at all gets the same mismatch error or stall
+warning (naming the rank) as without the cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from ringmaster.ops import waiting
+from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.worker.runtime import timeline
+from ringmaster.worker.runtime.errors import RingmasterError
+from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES
+
+log = logging.getLogger("ringmaster.worker")
+
+#: A pending hit still waiting for the other ranks after this long goes to the coordinator,
+#: which can tell a late rank from a mismatched or missing one. Longer than the skew of ranks
+#: in a training step; short enough that the coordinator's stall warning (60 s) still comes.
+WITHDRAW_AFTER_S = 1.0
+#: Every rank idle this long (no hit, no proposal): the cache sleeps until the next event.
+#: While awake and idle, a cycle every cycle_time costs each rank about 30 us of CPU.
+DORMANT_AFTER_S = 0.2
+
+# Fields of the cycle vector before the slot bits; every field is reduced with MIN.
+_QUEUED, _IDLE, _EVENTS, _MINUS_EVENTS, _CLOSING, _NOT_SUSPENDING = range(6)
+_HEADER = 6
+
+
+@dataclasses.dataclass
+class _Slot:
+    template: pb.Response          # the single-tensor response to run on a hit
+    signature: bytes               # the template's bytes: the same on every rank
+    key: Optional[bytes]           # this rank's request that hits it (None: not seen here)
+    last_run: int = 0              # cycle of its last run (eviction: least recent first)
+    nbytes: int = 0
+
+
+@dataclasses.dataclass
+class _Ready:
+    slot: _Slot
+    hit: "_Hit"
+
+
+@dataclasses.dataclass
+class _Hit:
+    entry: object
+    request: pb.TensorRequest
+    since: float
+
+
+class ResponseCache:
+    """Runs collectives whose negotiation every rank has cached, without the coordinator.
+
+    Args:
+        comm: a communicator of the cache's own (a duplicate of the job's).
+        executor: an ``Executor`` on ``comm`` that runs cached responses (not started).
+        capacity: the most slots (``RINGMASTER_CACHE_CAPACITY``).
+        fusion_threshold_bytes: the largest fused allreduce of ready slots.
+        cycle_time_s: the pause between cycles while some rank has work but nobody waits.
+        negotiate: sends requests to the coordinator (withdrawn hits, ``CACHE_WAKE``).
+        on_fatal: called with the error when a cached collective fails.
+    """
+
+    def __init__(self, comm, executor, capacity: int, fusion_threshold_bytes: int, cycle_time_s: float,
+                 negotiate: Callable[[List[pb.TensorRequest]], None], on_fatal: Callable[[BaseException], None]):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.capacity = capacity
+        self._executor = executor
+        self._fusion_threshold = max(fusion_threshold_bytes, 1)
+        self._cycle_time_s = cycle_time_s
+        self._negotiate = negotiate
+        self._on_fatal = on_fatal
+        self._lock = threading.Condition()
+        # Cache-timeline state: the same on every rank after each cycle.
+        self._slots: List[_Slot] = []
+        self._by_signature: Dict[bytes, int] = {}
+        self._cycle = 0
+        self._dormant = False
+        self._dormant_events = 0
+        # This rank's state.
+        self._by_key: Dict[bytes, int] = {}
+        self._pending: Dict[int, _Hit] = {}                   # slot -> hit with its bit set
+        self._waiting: Dict[bytes, List[_Hit]] = {}           # key -> hits waiting for a queued proposal
+        self._queued: "collections.deque[Tuple[pb.Response, bytes, Optional[bytes]]]" = collections.deque()
+        self._queued_keys: Dict[bytes, int] = {}
+        self._events = 0
+        self._last_activity = time.monotonic()
+        self._flush = False
+        self._wake_sent = False
+        self._closing = False
+        self._peer_left: Optional[str] = None  # a rank shut down: the cache stops for good
+        self._suspend_requested = False  # this rank joined
+        self._suspended = False          # some rank joined: negotiate everything until the JOIN response
+        self.enabled = True              # False: negotiate every request (autotuning's switch)
+        self.hits = 0
+        self._thread = threading.Thread(target=self._run, name="ringmaster-cache", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ------------------------------------------------------ the user's threads
+    def submit(self, entries, requests: List[pb.TensorRequest], flush: bool) -> List[pb.TensorRequest]:
+        """Take the hits among ``entries`` (already in the tensor table); return the requests to negotiate."""
+        negotiate = []
+        now = time.monotonic()
+        with self._lock:
+            usable = self.enabled and not self._suspended and not self._closing and self._peer_left is None
+            taken = False
+            for entry, request in zip(entries, requests):
+                key = entry.cache_key
+                if not usable or key is None:
+                    negotiate.append(request)
+                    continue
+                slot = self._by_key.get(key)
+                if slot is not None:
+                    self._pending[slot] = _Hit(entry, request, now)
+                elif key in self._queued_keys:
+                    self._waiting.setdefault(key, []).append(_Hit(entry, request, now))
+                else:
+                    negotiate.append(request)
+                    continue
+                taken = True
+            if taken:
+                self.hits += 1
+                self._last_activity = now
+                if flush:
+                    self._flush = True
+                if flush or self._dormant:
+                    self._lock.notify()
+        return negotiate
+
+    def flush(self) -> None:
+        """A caller waits: run a cycle now rather than after the cycle time."""
+        with self._lock:
+            if self._pending or self._waiting:
+                self._flush = True
+                self._lock.notify()
+
+    # --------------------------------------------- the coordinator's responses
+    def propose(self, response: pb.Response, keys: Dict[str, Optional[bytes]]) -> None:
+        """The executor ran ``response`` (in the coordinator's order): queue its tensors as slots."""
+        with self._lock:
+            for index, name in enumerate(response.names):
+                if ".noname." in name:
+                    continue  # an automatic name never comes again
+                template = pb.Response(
+                    op_type=response.op_type, reduce_op=response.reduce_op, names=[name], dtype=response.dtype,
+                    device=response.device, root_rank=response.root_rank,
+                    prescale_factor=response.prescale_factor, postscale_factor=response.postscale_factor,
+                    compression=response.compression)
+                template.shapes.add().CopyFrom(response.shapes[index])
+                key = keys.get(name)
+                self._queued.append((template, template.SerializeToString(), key))
+                if key is not None:
+                    self._queued_keys[key] = self._queued_keys.get(key, 0) + 1
+                self._events += 1
+            self._lock.notify()
+
+    def wake(self, peer_left: Optional[str] = None) -> None:
+        """A ``CACHE_WAKE`` response came up in the coordinator's order (``peer_left``: its error)."""
+        with self._lock:
+            if peer_left is not None:
+                self._peer_left = peer_left
+            else:
+                self._events += 1
+            self._lock.notify()
+
+    def join_requested(self) -> None:
+        """This rank joins: every rank is to stop using the cache until the JOIN response."""
+        with self._lock:
+            self._suspend_requested = True
+            self._lock.notify()
+
+    def join_completed(self) -> None:
+        """The JOIN response came up: the cache may be used again."""
+        with self._lock:
+            self._suspend_requested = False
+            self._suspended = False
+
+    # ---------------------------------------------------------------- shutdown
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """End the thread once every rank stops (call after the executor ran its last response)."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def withdraw_all(self) -> List[object]:
+        """Forget every pending hit (shutdown): their entries, to fail."""
+        with self._lock:
+            hits = list(self._pending.values()) + [h for hits in self._waiting.values() for h in hits]
+            self._pending.clear()
+            self._waiting.clear()
+        return [hit.entry for hit in hits]
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if not self._wait_for_cycle():
+                        return
+                    self._withdraw_stale(time.monotonic())
+                    vector = self._vector()
+                result = np.empty_like(vector)
+                if not self._wait(self.comm.Iallreduce(vector, result, op=MPI.MIN)):
+                    with self._lock:
+                        self._give_up()
+                    return
+                with self._lock:
+                    ready, stop = self._apply(result)
+                if ready and not self._run_slots(ready):
+                    return
+                if stop:
+                    return
+        except RingmasterError as error:
+            self._on_fatal(error)
+        except Exception as error:  # noqa: BLE001 - every failure must reach the handles
+            log.exception("response cache failed")
+            self._on_fatal(RingmasterError(f"rank {self.rank}: the response cache failed: "
+                                           f"{type(error).__name__}: {error}"))
+
+    def _wait(self, request) -> bool:
+        """Wait for a cycle's allreduce; False if a rank left, so that it can never complete."""
+        with waiting.eagerly():  # a rank whose caller waits on a hit has nothing else to do
+            while True:
+                try:
+                    waiting.wait_for(request, WITHDRAW_AFTER_S)
+                    return True
+                except TimeoutError:
+                    if self._peer_left is not None:
+                        return False
+
+    def _give_up(self) -> None:
+        """Under the lock: a rank left; every hit here goes to the coordinator, which fails it."""
+        log.info("rank %d: response cache stopped: %s", self.rank, self._peer_left)
+        hits = list(self._pending.values()) + [h for hits in self._waiting.values() for h in hits]
+        self._pending.clear()
+        self._waiting.clear()
+        for hit in hits:
+            self._withdraw(hit)
+
+    def _wait_for_cycle(self) -> bool:
+        """Under the lock: wait until a cycle is due; False when the thread is to end."""
+        while self._dormant:
+            if self._peer_left is not None:
+                self._give_up()
+                return False
+            if self._events > self._dormant_events:
+                self._dormant = False
+                self._wake_sent = False
+                return True
+            if self._closing:
+                return False  # every rank saw the same events: every rank ends here
+            if (self._pending or self._waiting) and not self._wake_sent:
+                self._wake_sent = True
+                self._negotiate([pb.TensorRequest(name="cache.wake", op_type=pb.CACHE_WAKE)])
+            self._lock.wait()
+        # A caller waits on a hit here: cycle at once, again and again until it has run.
+        # Otherwise one cycle per cycle time, which is what makes a late rank's hit wait.
+        if not (self._flush and (self._pending or self._waiting)):
+            self._lock.wait(self._cycle_time_s)
+        return True
+
+    def _withdraw_stale(self, now: float) -> None:
+        stale = [slot for slot, hit in self._pending.items() if now - hit.since > WITHDRAW_AFTER_S]
+        for slot in stale:
+            self._withdraw(self._pending.pop(slot))
+        for key in [key for key, hits in self._waiting.items() if now - hits[0].since > WITHDRAW_AFTER_S]:
+            for hit in self._waiting.pop(key):
+                self._withdraw(hit)
+
+    def _withdraw(self, hit: _Hit) -> None:
+        recording = timeline.active()
+        if recording is not None:
+            recording.end([hit.request.name])
+            recording.begin([hit.request.name], f"NEGOTIATE_{pb.OpType.Name(hit.request.op_type)}")
+        self._negotiate([hit.request])
+
+    def _vector(self) -> np.ndarray:
+        vector = np.zeros(_HEADER + len(self._slots), dtype=np.int64)
+        vector[_QUEUED] = len(self._queued)
+        busy = self._pending or self._waiting or self._queued or self._suspend_requested
+        vector[_IDLE] = 0 if busy else int(time.monotonic() - self._last_activity >= DORMANT_AFTER_S)
+        vector[_EVENTS] = self._events
+        vector[_MINUS_EVENTS] = -self._events
+        vector[_CLOSING] = int(self._closing)
+        vector[_NOT_SUSPENDING] = int(not self._suspend_requested)
+        for slot in self._pending:
+            vector[_HEADER + slot] = 1
+        return vector
+
+    def _apply(self, result: np.ndarray) -> Tuple[List[_Ready], bool]:
+        """Under the lock: act on a cycle's result, as every rank does. Returns (ready hits, stop)."""
+        self._cycle += 1
+        ready = [_Ready(self._slots[slot], self._pending.pop(slot)) for slot in np.flatnonzero(result[_HEADER:]).tolist()]
+        for item in ready:
+            item.slot.last_run = self._cycle
+        if ready:
+            self._last_activity = time.monotonic()
+        if not (self._pending or self._waiting):
+            self._flush = False
+        if not result[_NOT_SUSPENDING] and not self._suspended:
+            self._suspended = True
+            for hit in list(self._pending.values()) + [h for hits in self._waiting.values() for h in hits]:
+                self._withdraw(hit)
+            self._pending.clear()
+            self._waiting.clear()
+        for _ in range(int(result[_QUEUED])):
+            self._insert(*self._queued.popleft())
+        if result[_CLOSING]:
+            return ready, True
+        if result[_IDLE] and result[_EVENTS] == -result[_MINUS_EVENTS] and not ready:
+            self._dormant = True
+            self._dormant_events = int(result[_EVENTS])
+        return ready, False
+
+    def _insert(self, template: pb.Response, signature: bytes, key: Optional[bytes]) -> None:
+        """Apply one queued proposal (every rank applies the same ones in the same order)."""
+        if key is not None:
+            left = self._queued_keys[key] - 1
+            if left:
+                self._queued_keys[key] = left
+            else:
+                del self._queued_keys[key]
+        slot = self._by_signature.get(signature)
+        if slot is None:
+            if len(self._slots) < self.capacity:
+                slot = len(self._slots)
+                self._slots.append(None)
+            else:
+                slot = min(range(len(self._slots)), key=lambda s: self._slots[s].last_run)
+                self._evict(slot)
+            shape = tuple(template.shapes[0].dims)
+            nbytes = math.prod(shape) * SUPPORTED_DTYPES[template.dtype].itemsize
+            self._slots[slot] = _Slot(template, signature, None, self._cycle, nbytes)
+            self._by_signature[signature] = slot
+        entry = self._slots[slot]
+        entry.last_run = self._cycle
+        if key is not None and entry.key != key:
+            if entry.key is not None:
+                self._by_key.pop(entry.key, None)
+            entry.key = key
+            self._by_key[key] = slot
+        if key is not None:
+            for hit in self._waiting.pop(key, []):
+                if slot in self._pending:  # a second hit on one name: only the coordinator can sort it out
+                    self._withdraw(hit)
+                else:
+                    self._pending[slot] = hit
+
+    def _evict(self, slot: int) -> None:
+        old = self._slots[slot]
+        del self._by_signature[old.signature]
+        if old.key is not None:
+            self._by_key.pop(old.key, None)
+        hit = self._pending.pop(slot, None)
+        if hit is not None:
+            self._withdraw(hit)
+
+    # ------------------------------------------------------------- running
+    def _run_slots(self, ready: List[_Ready]) -> bool:
+        """Run the ready slots in slot order: allreduces fused while they agree, the rest one by one.
+
+        False if one failed (the executor has failed its handles and the job).
+        """
+        batch: List[_Slot] = []
+        batch_bytes = 0
+        for item in ready:
+            template, nbytes = item.slot.template, item.slot.nbytes
+            if batch and (not _fusable(batch[0].template, template) or batch_bytes + nbytes > self._fusion_threshold):
+                if not self._run_batch(batch):
+                    return False
+                batch, batch_bytes = [], 0
+            batch.append(item.slot)
+            batch_bytes += nbytes
+        return self._run_batch(batch) if batch else True
+
+    def _run_batch(self, batch: List[_Slot]) -> bool:
+        if len(batch) == 1:
+            response = batch[0].template
+        else:
+            response = pb.Response()
+            response.CopyFrom(batch[0].template)
+            for slot in batch[1:]:
+                response.names.append(slot.template.names[0])
+                response.shapes.add().CopyFrom(slot.template.shapes[0])
+        names = list(response.names)
+        recording = timeline.active()
+        if recording is not None:
+            recording.end(names)
+            recording.begin(names, f"CACHED_{pb.OpType.Name(response.op_type)}")
+        try:
+            return self._executor.execute(response)
+        finally:
+            if recording is not None:
+                recording.end(names)
+
+
+def _fusable(first: pb.Response, other: pb.Response) -> bool:
+    return (other.op_type == pb.ALLREDUCE and first.op_type == pb.ALLREDUCE and other.dtype == first.dtype
+            and other.reduce_op == first.reduce_op and other.prescale_factor == first.prescale_factor
+            and other.postscale_factor == first.postscale_factor and other.compression == first.compression)
+
