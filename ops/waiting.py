@@ -18,6 +18,7 @@ first allreduce after backward by 0.1-0.3 ms per step (docs/benchmarks.md).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Callable, Iterable, Iterator, Optional
@@ -31,6 +32,8 @@ FIRST_PAUSE_S = 20e-6
 LONGEST_PAUSE_S = 500e-6
 #: Longest pause between tests within :func:`eagerly`.
 EAGER_LONGEST_PAUSE_S = 40e-6
+#: How long :func:`impatiently` yields the core between tests before it sleeps.
+IMPATIENT_YIELD_S = 2e-3
 
 #: Returns the error that ended the job on this rank, or None (see :func:`set_abort_check`).
 _abort_check: Optional[Callable[[], Optional[BaseException]]] = None
@@ -66,6 +69,25 @@ def eagerly() -> Iterator[None]:
         _thread_policy.longest_pause_s = previous
 
 
+@contextlib.contextmanager
+def impatiently() -> Iterator[None]:
+    """:func:`eagerly`, and for ``IMPATIENT_YIELD_S`` after the spin window, yield the core between
+    tests instead of sleeping.
+
+    For a thread whose caller waits on a round trip of a few tens of microseconds (the
+    response cache): a sleep, however short, costs the kernel's timer slack (50 us by
+    default), while yielding hands the core to the peer rank that shares it and takes it
+    back as soon as that rank waits in turn.
+    """
+    previous = getattr(_thread_policy, "yield_s", None)
+    _thread_policy.yield_s = IMPATIENT_YIELD_S
+    try:
+        with eagerly():
+            yield
+    finally:
+        _thread_policy.yield_s = previous
+
+
 def wait(request: MPI.Request) -> None:
     """Return once ``request`` has completed (like ``request.Wait()``, without spinning long)."""
     wait_for(request, None)
@@ -80,6 +102,13 @@ def wait_for(request: MPI.Request, timeout_s: Optional[float]) -> None:
     while clock() < spin_until:
         if request.Test():
             return
+    yield_s = getattr(_thread_policy, "yield_s", None)
+    if yield_s:
+        yield_until = clock() + yield_s
+        while clock() < yield_until:
+            if request.Test():
+                return
+            os.sched_yield()
     give_up_at = None if timeout_s is None else clock() + timeout_s
     longest = getattr(_thread_policy, "longest_pause_s", None) or LONGEST_PAUSE_S
     pause = min(FIRST_PAUSE_S, longest)

@@ -469,7 +469,7 @@ def synchronize(handle: int):
     """Wait for the operation behind ``handle`` and return its result (raises its error)."""
     state = runtime()
     entry = state.handles.get(handle)
-    state.flush()
+    state.flush(entry)
     try:
         return entry.wait()
     finally:

@@ -127,11 +127,15 @@ class Runtime:
                 return
         self.outbox.add(requests, flush)
 
-    def flush(self) -> None:
-        """The caller is about to wait: send what is queued, and have the cache run a cycle."""
+    def flush(self, handle=None) -> None:
+        """The caller is about to wait (on ``handle``): send what is queued; run the cache's cycles
+        on this thread until ``handle`` is done, or have the cache's thread run one now."""
         self.outbox.flush()
         if self.cache is not None:
-            self.cache.flush()
+            if handle is not None:
+                self.cache.drive(handle.done)
+            else:
+                self.cache.flush()
 
     def submit_join(self, handle) -> None:
         self.check_healthy()

@@ -129,7 +129,7 @@ class ResponseCache:
         # Cache-timeline state: the same on every rank after each cycle.
         self._slots: List[_Slot] = []
         self._by_signature: Dict[bytes, int] = {}
-        self._cycle = 0
+        self._cycle_number = 0
         self._dormant = False
         self._dormant_events = 0
         # This rank's state.
@@ -144,6 +144,9 @@ class ResponseCache:
         self._wake_sent = False
         self._closing = False
         self._peer_left: Optional[str] = None  # a rank shut down: the cache stops for good
+        self._finished = False                 # no more cycles: every rank stopped, or one failed or left
+        self._driver = threading.Lock()        # held by whichever thread runs a cycle
+        self._last_cycle_at = 0.0
         self._suspend_requested = False  # this rank joined
         self._suspended = False          # some rank joined: negotiate everything until the JOIN response
         self.enabled = True              # False: negotiate every request (autotuning's switch)
@@ -178,10 +181,9 @@ class ResponseCache:
             if taken:
                 self.hits += 1
                 self._last_activity = now
-                if flush:
-                    self._flush = True
-                if flush or self._dormant:
-                    self._lock.notify()
+                if self._dormant:
+                    self._lock.notify()  # to send CACHE_WAKE
+                # A caller that waits next runs the cycles itself (drive); others run within a cycle time.
         return negotiate
 
     def flush(self) -> None:
@@ -250,42 +252,76 @@ class ResponseCache:
         return [hit.entry for hit in hits]
 
     # ------------------------------------------------------------------ thread
+    def drive(self, done: Callable[[], bool]) -> None:
+        """Run cycles on the calling thread until ``done()`` (a caller waiting on a hit).
+
+        Saves the two thread hand-offs of a round trip through the cache's thread. Returns
+        at once, leaving the cycles to that thread, if it is running one or nothing is
+        pending here; the caller then waits on its handle as usual.
+        """
+        while not done():
+            with self._lock:
+                if not (self._pending or self._waiting) or self._dormant or self._finished:
+                    return
+            if not self._driver.acquire(blocking=False):
+                with self._lock:
+                    self._flush = True
+                    self._lock.notify()
+                return
+            try:
+                self._guarded_cycle()
+            finally:
+                self._driver.release()
+
     def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._finished or not self._wait_for_cycle():
+                    return
+            with self._driver:
+                self._guarded_cycle()
+
+    def _guarded_cycle(self) -> None:
         try:
-            while True:
-                with self._lock:
-                    if not self._wait_for_cycle():
-                        return
-                    self._withdraw_stale(time.monotonic())
-                    vector = self._vector()
-                result = np.empty_like(vector)
-                if not self._wait(self.comm.Iallreduce(vector, result, op=MPI.MIN)):
-                    with self._lock:
-                        self._give_up()
-                    return
-                with self._lock:
-                    ready, stop = self._apply(result)
-                if ready and not self._run_slots(ready):
-                    return
-                if stop:
-                    return
+            with waiting.impatiently():  # a caller waits on this round trip, or a peer does
+                self._cycle()
         except RingmasterError as error:
+            self._finished = True
             self._on_fatal(error)
         except Exception as error:  # noqa: BLE001 - every failure must reach the handles
+            self._finished = True
             log.exception("response cache failed")
             self._on_fatal(RingmasterError(f"rank {self.rank}: the response cache failed: "
                                            f"{type(error).__name__}: {error}"))
 
+    def _cycle(self) -> None:
+        """One cycle (the caller holds the driver lock): agree, apply, run what is ready everywhere."""
+        with self._lock:
+            if self._dormant or self._finished:
+                return
+            self._withdraw_stale(time.monotonic())
+            vector = self._vector()
+        result = np.empty_like(vector)
+        if not self._wait(self.comm.Iallreduce(vector, result, op=MPI.MIN)):
+            with self._lock:
+                self._give_up()
+                self._finished = True
+            return
+        with self._lock:
+            ready = self._apply(result)
+            self._last_cycle_at = time.monotonic()
+        if ready and not self._run_slots(ready):
+            self._finished = True
+
     def _wait(self, request) -> bool:
         """Wait for a cycle's allreduce; False if a rank left, so that it can never complete."""
-        with waiting.eagerly():  # a rank whose caller waits on a hit has nothing else to do
-            while True:
-                try:
-                    waiting.wait_for(request, WITHDRAW_AFTER_S)
-                    return True
-                except TimeoutError:
-                    if self._peer_left is not None:
-                        return False
+        while True:
+            try:
+                waiting.wait_for(request, WITHDRAW_AFTER_S)
+                return True
+            except TimeoutError:
+                if self._peer_left is not None:
+                    return False
 
     def _give_up(self) -> None:
         """Under the lock: a rank left; every hit here goes to the coordinator, which fails it."""
@@ -314,9 +350,12 @@ class ResponseCache:
             self._lock.wait()
         # A caller waits on a hit here: cycle at once, again and again until it has run.
         # Otherwise one cycle per cycle time, which is what makes a late rank's hit wait.
-        if not (self._flush and (self._pending or self._waiting)):
-            self._lock.wait(self._cycle_time_s)
-        return True
+        while not (self._flush and (self._pending or self._waiting)) and not self._finished and not self._dormant:
+            pause = self._last_cycle_at + self._cycle_time_s - time.monotonic()
+            if pause <= 0:
+                break
+            self._lock.wait(pause)  # a caller may run cycles meanwhile, which postpones this one
+        return not self._finished
 
     def _withdraw_stale(self, now: float) -> None:
         stale = [slot for slot, hit in self._pending.items() if now - hit.since > WITHDRAW_AFTER_S]
@@ -346,12 +385,12 @@ class ResponseCache:
             vector[_HEADER + slot] = 1
         return vector
 
-    def _apply(self, result: np.ndarray) -> Tuple[List[_Ready], bool]:
-        """Under the lock: act on a cycle's result, as every rank does. Returns (ready hits, stop)."""
-        self._cycle += 1
+    def _apply(self, result: np.ndarray) -> List[_Ready]:
+        """Under the lock: act on a cycle's result, as every rank does. Returns the hits to run."""
+        self._cycle_number += 1
         ready = [_Ready(self._slots[slot], self._pending.pop(slot)) for slot in np.flatnonzero(result[_HEADER:]).tolist()]
         for item in ready:
-            item.slot.last_run = self._cycle
+            item.slot.last_run = self._cycle_number
         if ready:
             self._last_activity = time.monotonic()
         if not (self._pending or self._waiting):
@@ -365,11 +404,11 @@ class ResponseCache:
         for _ in range(int(result[_QUEUED])):
             self._insert(*self._queued.popleft())
         if result[_CLOSING]:
-            return ready, True
-        if result[_IDLE] and result[_EVENTS] == -result[_MINUS_EVENTS] and not ready:
+            self._finished = True
+        elif result[_IDLE] and result[_EVENTS] == -result[_MINUS_EVENTS] and not ready:
             self._dormant = True
             self._dormant_events = int(result[_EVENTS])
-        return ready, False
+        return ready
 
     def _insert(self, template: pb.Response, signature: bytes, key: Optional[bytes]) -> None:
         """Apply one queued proposal (every rank applies the same ones in the same order)."""
@@ -389,10 +428,10 @@ class ResponseCache:
                 self._evict(slot)
             shape = tuple(template.shapes[0].dims)
             nbytes = math.prod(shape) * SUPPORTED_DTYPES[template.dtype].itemsize
-            self._slots[slot] = _Slot(template, signature, None, self._cycle, nbytes)
+            self._slots[slot] = _Slot(template, signature, None, self._cycle_number, nbytes)
             self._by_signature[signature] = slot
         entry = self._slots[slot]
-        entry.last_run = self._cycle
+        entry.last_run = self._cycle_number
         if key is not None and entry.key != key:
             if entry.key is not None:
                 self._by_key.pop(entry.key, None)
