@@ -41,5 +41,5 @@ def test_a_collective_the_others_never_reach_ends_in_a_stall_error():
     assert "ranks [2] (rank 2 on" in result.output  # the warning names who is missing
     # whichever wait hits the shutdown limit first ends the job: a tensor, or rank 0's join()
     assert "StalledTensorError" in result.output, result.output[-4000:]
-    assert "ranks [2] never submitted it" in result.output or \
+    assert "ranks [2] never submitted it" in result.output or "ranks [1] never submitted it" in result.output or \
         "ranks [1, 2] neither joined nor ran a collective" in result.output, result.output[-4000:]

@@ -7,7 +7,7 @@ scaling, compression, root), that is a *hit*: instead of a gRPC round trip, the 
 the slot's bit. A thread of its own in every rank, on a communicator of its own, runs
 *cycles*: each cycle is one small MPI allreduce (``MIN``) of a vector of integers
 
-    [candidates queued, idle, events seen, -events seen, closing, not suspending, bit per slot]
+    [candidates queued, idle, events seen, -events seen, closing, join round, bit per slot]
 
 and every rank gets the same result, so every rank knows the same things at the same cycle:
 
@@ -76,8 +76,10 @@ WITHDRAW_AFTER_S = 1.0
 DORMANT_AFTER_S = 0.2
 
 # Fields of the cycle vector before the slot bits; every field is reduced with MIN.
-_QUEUED, _IDLE, _EVENTS, _MINUS_EVENTS, _CLOSING, _NOT_SUSPENDING = range(6)
+_QUEUED, _IDLE, _EVENTS, _MINUS_EVENTS, _CLOSING, _JOIN_ROUND = range(6)
 _HEADER = 6
+#: The join round field of a rank that has not joined.
+_NO_JOIN = 1 << 62
 
 
 @dataclasses.dataclass
@@ -149,6 +151,7 @@ class ResponseCache:
         self._last_cycle_at = 0.0
         self._suspend_requested = False  # this rank joined
         self._suspended = False          # some rank joined: negotiate everything until the JOIN response
+        self._joins_completed = 0        # JOIN responses seen: numbers the join rounds
         self.enabled = True              # False: negotiate every request (autotuning's switch)
         self.hits = 0
         self._thread = threading.Thread(target=self._run, name="ringmaster-cache", daemon=True)
@@ -231,6 +234,7 @@ class ResponseCache:
     def join_completed(self) -> None:
         """The JOIN response came up: the cache may be used again."""
         with self._lock:
+            self._joins_completed += 1
             self._suspend_requested = False
             self._suspended = False
 
@@ -380,7 +384,7 @@ class ResponseCache:
         vector[_EVENTS] = self._events
         vector[_MINUS_EVENTS] = -self._events
         vector[_CLOSING] = int(self._closing)
-        vector[_NOT_SUSPENDING] = int(not self._suspend_requested)
+        vector[_JOIN_ROUND] = self._joins_completed if self._suspend_requested else _NO_JOIN
         for slot in self._pending:
             vector[_HEADER + slot] = 1
         return vector
@@ -395,7 +399,8 @@ class ResponseCache:
             self._last_activity = time.monotonic()
         if not (self._pending or self._waiting):
             self._flush = False
-        if not result[_NOT_SUSPENDING] and not self._suspended:
+        # A join round that has already ended here (its JOIN response came first) is no reason.
+        if result[_JOIN_ROUND] == self._joins_completed and not self._suspended:
             self._suspended = True
             for hit in list(self._pending.values()) + [h for hits in self._waiting.values() for h in hits]:
                 self._withdraw(hit)
