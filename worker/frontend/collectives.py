@@ -152,16 +152,23 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
     base = _auto_name(what.rstrip("_").replace("_async", ""), name, set_id)
     handle = state.handles.new(base, parts=len(tensors), as_list=not single)
     group = "" if single else base
-    entries, requests = [], []
+    prescale_factor, postscale_factor = float(prescale_factor), float(postscale_factor)
+    entries = []
     for index, (tensor, source, output, copy_back) in enumerate(prepared):
-        entry_name = base if single else f"{base}.{index}"
-        entries.append(Entry(entry_name, pb.ALLREDUCE, source, handle, part=index, output=output,
-                             copy_back=copy_back, returns=tensor if in_place else None, process_set_id=set_id))
-        requests.append(_request(entry_name, pb.ALLREDUCE, source, set_id, reduce_op=op,
-                                 prescale_factor=float(prescale_factor),
-                                 postscale_factor=float(postscale_factor),
-                                 compression=wire_format if source.dtype.is_floating_point else "",
-                                 group=group, group_size=0 if single else len(tensors)))
+        entries.append(Entry(base if single else f"{base}.{index}", pb.ALLREDUCE, source, handle, part=index,
+                             output=output, copy_back=copy_back, returns=tensor if in_place else None,
+                             process_set_id=set_id))
+
+    def requests():
+        return [_request(entry.name, pb.ALLREDUCE, entry.tensor, set_id, reduce_op=op,
+                         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                         compression=wire_format if entry.tensor.dtype.is_floating_point else "",
+                         group=group, group_size=0 if single else len(tensors)) for entry in entries]
+
+    if single and not set_id:  # the response cache may run it again without negotiation
+        source = entries[0].tensor
+        entries[0].cache_key = (pb.ALLREDUCE, base, source.dtype, source.shape, op, prescale_factor,
+                                postscale_factor, wire_format if source.dtype.is_floating_point else "")
     _submit_or_release(state, handle, entries, requests, flush)
     return handle.id
 
@@ -241,7 +248,9 @@ def _submit_single(kind: str, op_type: int, tensor, name, output=None, copy_back
     handle = state.handles.new(name, finish=finish)
     entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back, returns=returns,
                   process_set_id=set_id)
-    _submit_or_release(state, handle, [entry], [_request(name, op_type, source, set_id, **fields)], flush)
+    if op_type == pb.BROADCAST and not set_id:  # the response cache may run it again without negotiation
+        entry.cache_key = (pb.BROADCAST, name, source.dtype, source.shape, fields["root_rank"])
+    _submit_or_release(state, handle, [entry], lambda: [_request(name, op_type, source, set_id, **fields)], flush)
     return handle.id
 
 

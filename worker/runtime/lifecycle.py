@@ -22,7 +22,7 @@ from ringmaster.worker.runtime import current, timeline
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
-from ringmaster.worker.runtime.executor import CACHEABLE_OPS, Entry, Executor, TensorTable
+from ringmaster.worker.runtime.executor import Entry, Executor, TensorTable
 from ringmaster.worker.runtime.handles import HandleTable
 from ringmaster.worker.runtime.outbox import Outbox
 from ringmaster.worker.runtime.process_sets import add_process_set, global_process_set
@@ -98,17 +98,14 @@ class Runtime:
         return cache
 
     # ----------------------------------------------------------- submitting
-    def submit(self, entries: List[Entry], requests: List[pb.TensorRequest], flush: bool = False) -> None:
-        """Put entries in the tensor table and declare them to the coordinator.
+    def submit(self, entries: List[Entry], requests, flush: bool = False) -> None:
+        """Put entries in the tensor table and declare them to the coordinator (or take them from the cache).
 
-        ``flush`` sends at once (the caller waits next); otherwise requests travel with the
-        next flush or after one cycle, batched with whatever else was submitted meanwhile.
+        ``requests`` are the entries' requests, or a function that makes them: a cache hit
+        needs none. ``flush`` sends at once (the caller waits next); otherwise requests travel
+        with the next flush or after one cycle, batched with whatever else was submitted meanwhile.
         """
         self.check_healthy()
-        if self.cache is not None:
-            for entry, request in zip(entries, requests):
-                if request.op_type in CACHEABLE_OPS and not request.group and not request.process_set_id:
-                    entry.cache_key = request.SerializeToString()
         added = []
         try:
             for entry in entries:
@@ -121,11 +118,10 @@ class Runtime:
         recording = timeline.active()
         if recording is not None:
             recording.begin([entry.name for entry in entries], f"NEGOTIATE_{pb.OpType.Name(entries[0].op_type)}")
-        if self.cache is not None:
-            requests = self.cache.submit(entries, requests, flush)
-            if not requests:
+        if self.cache is not None and len(entries) == 1 and entries[0].cache_key is not None:
+            if self.cache.take(entries[0], requests):
                 return
-        self.outbox.add(requests, flush)
+        self.outbox.add(requests() if callable(requests) else requests, flush)
 
     def flush(self, handle=None) -> None:
         """The caller is about to wait (on ``handle``): send what is queued; run the cache's cycles

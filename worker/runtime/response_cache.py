@@ -100,8 +100,11 @@ class _Ready:
 @dataclasses.dataclass
 class _Hit:
     entry: object
-    request: pb.TensorRequest
+    requests: object   # its request as a one-item list, or a function that makes it
     since: float
+
+    def request_list(self) -> List[pb.TensorRequest]:
+        return self.requests() if callable(self.requests) else self.requests
 
 
 class ResponseCache:
@@ -160,34 +163,30 @@ class ResponseCache:
         self._thread.start()
 
     # ------------------------------------------------------ the user's threads
-    def submit(self, entries, requests: List[pb.TensorRequest], flush: bool) -> List[pb.TensorRequest]:
-        """Take the hits among ``entries`` (already in the tensor table); return the requests to negotiate."""
-        negotiate = []
+    def take(self, entry, requests) -> bool:
+        """Take ``entry`` (already in the tensor table) if it is a hit; False: negotiate it.
+
+        ``requests``: its request as a one-item list, or a function that makes it (needed
+        only if the hit is withdrawn).
+        """
         now = time.monotonic()
         with self._lock:
-            usable = self.enabled and not self._suspended and not self._closing and self._peer_left is None
-            taken = False
-            for entry, request in zip(entries, requests):
-                key = entry.cache_key
-                if not usable or key is None:
-                    negotiate.append(request)
-                    continue
-                slot = self._by_key.get(key)
-                if slot is not None:
-                    self._pending[slot] = _Hit(entry, request, now)
-                elif key in self._queued_keys:
-                    self._waiting.setdefault(key, []).append(_Hit(entry, request, now))
-                else:
-                    negotiate.append(request)
-                    continue
-                taken = True
-            if taken:
-                self.hits += 1
-                self._last_activity = now
-                if self._dormant:
-                    self._lock.notify()  # to send CACHE_WAKE
-                # A caller that waits next runs the cycles itself (drive); others run within a cycle time.
-        return negotiate
+            if not self.enabled or self._suspended or self._closing or self._peer_left is not None:
+                return False
+            key = entry.cache_key
+            slot = self._by_key.get(key)
+            if slot is not None:
+                self._pending[slot] = _Hit(entry, requests, now)
+            elif key in self._queued_keys:
+                self._waiting.setdefault(key, []).append(_Hit(entry, requests, now))
+            else:
+                return False
+            self.hits += 1
+            self._last_activity = now
+            if self._dormant:
+                self._lock.notify()  # to send CACHE_WAKE
+            # A caller that waits next runs the cycles itself (drive); others run within a cycle time.
+            return True
 
     def flush(self) -> None:
         """A caller waits: run a cycle now rather than after the cycle time."""
@@ -372,9 +371,9 @@ class ResponseCache:
     def _withdraw(self, hit: _Hit) -> None:
         recording = timeline.active()
         if recording is not None:
-            recording.end([hit.request.name])
-            recording.begin([hit.request.name], f"NEGOTIATE_{pb.OpType.Name(hit.request.op_type)}")
-        self._negotiate([hit.request])
+            recording.end([hit.entry.name])
+            recording.begin([hit.entry.name], f"NEGOTIATE_{pb.OpType.Name(hit.entry.op_type)}")
+        self._negotiate(hit.request_list())
 
     def _vector(self) -> np.ndarray:
         vector = np.zeros(_HEADER + len(self._slots), dtype=np.int64)
