@@ -61,7 +61,7 @@ class Entry:
     copy_back: Optional[torch.Tensor] = None  # non-contiguous in-place target
     returns: Optional[torch.Tensor] = None    # in place: the caller's own tensor, handed back
     process_set_id: int = 0                  # the set that runs it (0: every rank)
-    cache_key: Optional[bytes] = None        # its request's bytes, if the response cache may reuse it
+    cache_key: Optional[tuple] = None        # its signature, if the response cache may run it again
 
 
 class TensorTable:
@@ -87,7 +87,7 @@ class TensorTable:
     def drop(self, process_set_id: int, name: str) -> None:
         self.take(process_set_id, name)
 
-    def cache_keys(self, process_set_id: int, names) -> Dict[str, Optional[bytes]]:
+    def cache_keys(self, process_set_id: int, names) -> Dict[str, Optional[tuple]]:
         """The cache key of each of ``names`` in flight here (a name not here: None)."""
         with self._lock:
             return {name: getattr(self._entries.get((process_set_id, name)), "cache_key", None) for name in names}

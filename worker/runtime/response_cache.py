@@ -2,9 +2,9 @@
 
 A collective the coordinator has answered once (an allreduce or broadcast of the global
 set, under a name given by the caller) gets a *slot*. When a rank submits a collective
-whose request is byte for byte one it submitted before (name, op, dtype, shape, reduction,
+whose signature equals one it submitted before (name, op, dtype, shape, reduction,
 scaling, compression, root), that is a *hit*: instead of a gRPC round trip, the rank sets
-the slot's bit. A thread of its own in every rank, on a communicator of its own, runs
+the slot's bit; the frontend does not even build the request message. A thread of its own in every rank, on a communicator of its own, runs
 *cycles*: each cycle is one small MPI allreduce (``MIN``) of a vector of integers
 
     [candidates queued, idle, events seen, -events seen, closing, join round, bit per slot]
@@ -86,9 +86,29 @@ _NO_JOIN = 1 << 62
 class _Slot:
     template: pb.Response          # the single-tensor response to run on a hit
     signature: bytes               # the template's bytes: the same on every rank
-    key: Optional[bytes]           # this rank's request that hits it (None: not seen here)
+    key: Optional[tuple]           # this rank's signature that hits it (None: not seen here)
     last_run: int = 0              # cycle of its last run (eviction: least recent first)
     nbytes: int = 0
+    fuse_key: Optional[tuple] = None  # slots with equal keys may run as one fused allreduce
+
+
+class _Batch:
+    """Ready slots run as one response: what the executor reads of a ``pb.Response``, built
+    from the slots' templates without making a protobuf message per cycle."""
+
+    __slots__ = ("op_type", "reduce_op", "names", "dtype", "device", "root_rank", "prescale_factor",
+                 "postscale_factor", "shapes", "compression")
+    error_kind = pb.NO_ERROR
+    process_set_id = 0
+    joined_ranks = ()
+
+    def __init__(self, slots: List[_Slot]):
+        first = slots[0].template
+        self.op_type, self.reduce_op, self.dtype, self.device = first.op_type, first.reduce_op, first.dtype, first.device
+        self.root_rank, self.compression = first.root_rank, first.compression
+        self.prescale_factor, self.postscale_factor = first.prescale_factor, first.postscale_factor
+        self.names = [slot.template.names[0] for slot in slots]
+        self.shapes = [slot.template.shapes[0] for slot in slots]
 
 
 @dataclasses.dataclass
@@ -138,11 +158,11 @@ class ResponseCache:
         self._dormant = False
         self._dormant_events = 0
         # This rank's state.
-        self._by_key: Dict[bytes, int] = {}
+        self._by_key: Dict[tuple, int] = {}
         self._pending: Dict[int, _Hit] = {}                   # slot -> hit with its bit set
-        self._waiting: Dict[bytes, List[_Hit]] = {}           # key -> hits waiting for a queued proposal
-        self._queued: "collections.deque[Tuple[pb.Response, bytes, Optional[bytes]]]" = collections.deque()
-        self._queued_keys: Dict[bytes, int] = {}
+        self._waiting: Dict[tuple, List[_Hit]] = {}           # key -> hits waiting for a queued proposal
+        self._queued: "collections.deque[Tuple[pb.Response, bytes, Optional[tuple]]]" = collections.deque()
+        self._queued_keys: Dict[tuple, int] = {}
         self._events = 0
         self._last_activity = time.monotonic()
         self._flush = False
@@ -196,7 +216,7 @@ class ResponseCache:
                 self._lock.notify()
 
     # --------------------------------------------- the coordinator's responses
-    def propose(self, response: pb.Response, keys: Dict[str, Optional[bytes]]) -> None:
+    def propose(self, response: pb.Response, keys: Dict[str, Optional[tuple]]) -> None:
         """The executor ran ``response`` (in the coordinator's order): queue its tensors as slots."""
         with self._lock:
             for index, name in enumerate(response.names):
@@ -414,7 +434,7 @@ class ResponseCache:
             self._dormant_events = int(result[_EVENTS])
         return ready
 
-    def _insert(self, template: pb.Response, signature: bytes, key: Optional[bytes]) -> None:
+    def _insert(self, template: pb.Response, signature: bytes, key: Optional[tuple]) -> None:
         """Apply one queued proposal (every rank applies the same ones in the same order)."""
         if key is not None:
             left = self._queued_keys[key] - 1
@@ -432,7 +452,11 @@ class ResponseCache:
                 self._evict(slot)
             shape = tuple(template.shapes[0].dims)
             nbytes = math.prod(shape) * SUPPORTED_DTYPES[template.dtype].itemsize
-            self._slots[slot] = _Slot(template, signature, None, self._cycle_number, nbytes)
+            fuse_key = None
+            if template.op_type == pb.ALLREDUCE:
+                fuse_key = (template.dtype, template.reduce_op, template.prescale_factor, template.postscale_factor,
+                            template.compression)
+            self._slots[slot] = _Slot(template, signature, None, self._cycle_number, nbytes, fuse_key)
             self._by_signature[signature] = slot
         entry = self._slots[slot]
         entry.last_run = self._cycle_number
@@ -466,8 +490,9 @@ class ResponseCache:
         batch: List[_Slot] = []
         batch_bytes = 0
         for item in ready:
-            template, nbytes = item.slot.template, item.slot.nbytes
-            if batch and (not _fusable(batch[0].template, template) or batch_bytes + nbytes > self._fusion_threshold):
+            nbytes = item.slot.nbytes
+            if batch and (item.slot.fuse_key is None or item.slot.fuse_key != batch[0].fuse_key
+                          or batch_bytes + nbytes > self._fusion_threshold):
                 if not self._run_batch(batch):
                     return False
                 batch, batch_bytes = [], 0
@@ -476,14 +501,7 @@ class ResponseCache:
         return self._run_batch(batch) if batch else True
 
     def _run_batch(self, batch: List[_Slot]) -> bool:
-        if len(batch) == 1:
-            response = batch[0].template
-        else:
-            response = pb.Response()
-            response.CopyFrom(batch[0].template)
-            for slot in batch[1:]:
-                response.names.append(slot.template.names[0])
-                response.shapes.add().CopyFrom(slot.template.shapes[0])
+        response = batch[0].template if len(batch) == 1 else _Batch(batch)
         names = list(response.names)
         recording = timeline.active()
         if recording is not None:
@@ -495,9 +513,4 @@ class ResponseCache:
             if recording is not None:
                 recording.end(names)
 
-
-def _fusable(first: pb.Response, other: pb.Response) -> bool:
-    return (other.op_type == pb.ALLREDUCE and first.op_type == pb.ALLREDUCE and other.dtype == first.dtype
-            and other.reduce_op == first.reduce_op and other.prescale_factor == first.prescale_factor
-            and other.postscale_factor == first.postscale_factor and other.compression == first.compression)
 
