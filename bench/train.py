@@ -13,6 +13,8 @@ round by round in the same processes, so that load on a shared machine hits all 
   keeping the ranks in step costs alone (each step waits for the slowest rank's backward),
   the ceiling of any synchronous data-parallel training on the machine;
 - ``ringmaster``: ``rm.DistributedOptimizer`` (gradients allreduced from hooks during backward);
+- ``rm-no-cache``: the same with the response cache switched off (as ``RINGMASTER_CACHE_CAPACITY=0``),
+  so that what the cache costs or saves in training shows in the same run;
 - ``ddp-gloo``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group;
 - ``naive-mpi``: after backward, one blocking mpi4py ``Allreduce`` per gradient (no overlap,
   no fusion, no negotiation): the simplest correct loop, for reference.
@@ -43,11 +45,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import ringmaster as rm
+from ringmaster.worker.runtime import current
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 import benchmark_models  # examples/benchmark_models.py
 
-MODES = ("no-comm", "sync-only", "ringmaster", "ddp-gloo", "naive-mpi")
+MODES = ("no-comm", "sync-only", "ringmaster", "rm-no-cache", "ddp-gloo", "naive-mpi")
 
 
 def progress(text):
@@ -146,7 +149,7 @@ def make_trainers(model_name, batch_size, comm, modes=MODES):
         torch.manual_seed(0)
         model = benchmark_models.create(model_name)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if mode == "ringmaster":
+        if mode in ("ringmaster", "rm-no-cache"):
             optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
             rm.broadcast_parameters(model.state_dict(), root_rank=0)
             trainers[mode] = RingmasterTrainer(model, optimizer, batch)
@@ -162,9 +165,18 @@ def make_trainers(model_name, batch_size, comm, modes=MODES):
     return trainers
 
 
+def use_cache(on):
+    """Switch the response cache on or off on this rank (every rank does, right after a barrier)."""
+    cache = current.runtime().cache
+    if cache is not None:
+        cache.enabled = on
+
+
 def measure(trainers, rounds, steps, warmup, model_name):
     """Median seconds per step of each mode, over ``rounds`` turns of ``steps`` steps."""
-    for trainer in trainers.values():
+    for mode, trainer in trainers.items():
+        rm.barrier()
+        use_cache(mode != "rm-no-cache")
         for _ in range(warmup):
             trainer.step()
     times = {mode: [] for mode in MODES}
@@ -173,6 +185,7 @@ def measure(trainers, rounds, steps, warmup, model_name):
         shift = round_index % len(MODES)  # no mode always runs right after the same other one
         for mode in MODES[shift:] + MODES[:shift]:
             rm.barrier()
+            use_cache(mode != "rm-no-cache")
             local = []
             for _ in range(steps):
                 started = time.perf_counter()
