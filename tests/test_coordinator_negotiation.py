@@ -204,7 +204,8 @@ def test_tensors_a_departed_rank_never_submitted_fail_at_once():
     negotiator.add_request(1, request("pending"))
     negotiator.add_request(2, request("done.by.2"))
     negotiator.depart(2, "host h, pid 7")
-    [failed] = negotiator.pop_ready()
+    notice, failed = negotiator.pop_ready()
+    assert notice.op_type == pb.CACHE_WAKE  # tells the response caches (see the next test)
     assert failed.error_kind == pb.RANK_FAILED and list(failed.names) == ["pending"]
     assert "rank 2 (host h, pid 7) shut down" in failed.error_message and "join()" in failed.error_message
     negotiator.add_request(0, request("later"))  # submitted after the departure: fails at once
@@ -214,3 +215,22 @@ def test_tensors_a_departed_rank_never_submitted_fail_at_once():
     negotiator.add_request(1, request("done.by.2"))
     [done] = negotiator.pop_ready()
     assert done.error_kind == pb.NO_ERROR
+
+
+def test_a_cache_wake_is_answered_at_once_and_a_departure_is_announced_to_the_caches():
+    negotiator = Negotiator(3)
+    negotiator.add_request(1, pb.TensorRequest(name="cache.wake", op_type=pb.CACHE_WAKE))
+    [wake] = negotiator.pop_ready()  # needs no other rank
+    assert wake.op_type == pb.CACHE_WAKE and wake.error_kind == pb.NO_ERROR
+    negotiator.depart(2, "host h, pid 7")
+    [notice] = negotiator.pop_ready()
+    assert notice.op_type == pb.CACHE_WAKE and notice.error_kind == pb.RANK_FAILED
+    assert "rank 2 (host h, pid 7) shut down" in notice.error_message
+
+
+@pytest.mark.parametrize("field", [{"process_set_id": 1}, {"group": "g", "group_size": 1}])
+def test_a_cache_wake_concerns_the_whole_job(field):
+    negotiator = Negotiator(2)
+    negotiator.add_request(0, pb.TensorRequest(name="cache.wake", op_type=pb.CACHE_WAKE, **field))
+    [refused] = negotiator.pop_ready()
+    assert refused.error_kind == pb.INVALID_REQUEST and "cache_wake" in refused.error_message
