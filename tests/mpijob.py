@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -61,6 +62,9 @@ def job_environment(extra: Optional[Mapping[str, str]] = None) -> dict:
     return env
 
 
+#: The environment variable that marks every process of one test job.
+JOB_MARK = "RMTEST_JOB_MARK"
+
 #: How long a timed-out job gets to print its ranks' stacks before it is killed.
 STACKS_GRACE_S = 3.0
 
@@ -88,10 +92,13 @@ def _launcher_failed(result: JobResult) -> bool:
 
 
 def _run_once(command: Sequence[str], timeout: float, env, cwd) -> JobResult:
+    env = dict(env if env is not None else job_environment())
+    env[JOB_MARK] = uuid.uuid4().hex  # every process of the job inherits it: see _kill_group
     process = subprocess.Popen(
         list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env if env is not None else job_environment(), cwd=cwd, start_new_session=True,
+        env=env, cwd=cwd, start_new_session=True,
     )
+    process.job_mark = env[JOB_MARK]
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -121,10 +128,23 @@ def stop_hung_job(process: subprocess.Popen):
 
 
 def _kill_group(process: subprocess.Popen) -> None:
+    """Kill the job's process group, and every process that carries its mark: Open MPI starts
+    the ranks in sessions of their own, out of reach of the group."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    mark = getattr(process, "job_mark", None)
+    if mark is None:
+        return
+    needle = f"{JOB_MARK}={mark}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else ()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if needle in environ.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # gone already, or not ours to read
 
 
 def mpirun(np: int, script: str, timeout: float = 120, env=None, args: Sequence[str] = ()) -> JobResult:

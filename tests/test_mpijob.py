@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from mpijob import LAUNCH_FAILURE, LAUNCH_RETRIES, run_command
 
@@ -36,3 +38,18 @@ def test_a_job_that_failed_otherwise_is_not_run_again(tmp_path):
     result = run_command(command, timeout=10)
     assert result.returncode == 213 and "ValueError" in result.stderr
     assert len(runs.read_text().splitlines()) == 1
+
+
+def test_a_timed_out_job_leaves_no_process_behind_even_outside_its_group(tmp_path):
+    """``setsid`` puts the sleeper in a session of its own, as Open MPI does with ranks."""
+    pid_file = tmp_path / "pid"
+    command = ["sh", "-c", f'setsid sh -c \'echo $$ > "{pid_file}"; exec sleep 600\' & wait']
+    with pytest.raises(AssertionError, match="did not finish"):
+        run_command(command, timeout=2)
+    pid = int(pid_file.read_text())
+    assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"process {pid} is still running"
+
+
+def _is_zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] == "Z"
