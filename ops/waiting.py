@@ -50,6 +50,11 @@ def set_abort_check(check: Optional[Callable[[], Optional[BaseException]]]) -> N
     _abort_check = check
 
 
+def abort_error() -> Optional[BaseException]:
+    """The error that ended the job on this rank, or None (for waits of their own making)."""
+    return _abort_check() if _abort_check is not None else None
+
+
 #: Per thread: the longest pause of its waits now (see :func:`eagerly`).
 _thread_policy = threading.local()
 

@@ -49,6 +49,7 @@ warning (naming the rank) as without the cache.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
@@ -72,8 +73,13 @@ log = logging.getLogger("ringmaster.worker")
 #: in a training step; short enough that the coordinator's stall warning (60 s) still comes.
 WITHDRAW_AFTER_S = 1.0
 #: Every rank idle this long (no hit, no proposal): the cache sleeps until the next event.
-#: While awake and idle, a cycle every cycle_time costs each rank about 30 us of CPU.
 DORMANT_AFTER_S = 0.2
+#: How often a rank with nothing pending runs a cycle while the cache is awake. Its cycles
+#: only keep it in step with the others: a rank whose caller waits on a hit runs cycles
+#: itself at once. At 1 ms (the cycle time) an idle rank spent about a tenth of a core on them.
+IDLE_CYCLE_S = 0.01
+#: The pause between tests of an idle rank's cycle (its own callers wait on nothing).
+IDLE_TEST_PAUSE_S = 200e-6
 
 # Fields of the cycle vector before the slot bits; every field is reduced with MIN.
 _QUEUED, _IDLE, _EVENTS, _MINUS_EVENTS, _CLOSING, _JOIN_ROUND = range(6)
@@ -171,6 +177,7 @@ class ResponseCache:
         self._peer_left: Optional[str] = None  # a rank shut down: the cache stops for good
         self._finished = False                 # no more cycles: every rank stopped, or one failed or left
         self._driver = threading.Lock()        # held by whichever thread runs a cycle
+        self._callers = 0                      # callers running cycles themselves (drive)
         self._last_cycle_at = 0.0
         self._suspend_requested = False  # this rank joined
         self._suspended = False          # some rank joined: negotiate everything until the JOIN response
@@ -278,36 +285,51 @@ class ResponseCache:
     def drive(self, done: Callable[[], bool]) -> None:
         """Run cycles on the calling thread until ``done()`` (a caller waiting on a hit).
 
-        Saves the two thread hand-offs of a round trip through the cache's thread. Returns
-        at once, leaving the cycles to that thread, if it is running one or nothing is
-        pending here; the caller then waits on its handle as usual.
+        Saves the two thread hand-offs of a round trip through the cache's thread. If that
+        thread is running a cycle, it is told to hurry and the caller takes over after it.
+        Returns when nothing is pending here (the hit was withdrawn, the cache sleeps): the
+        caller then waits on its handle as usual.
         """
-        while not done():
-            with self._lock:
-                if not (self._pending or self._waiting) or self._dormant or self._finished:
-                    return
-            if not self._driver.acquire(blocking=False):
+        with self._lock:
+            self._callers += 1  # the cache's thread leaves the cycles to this caller
+        try:
+            while not done():
                 with self._lock:
-                    self._flush = True
-                    self._lock.notify()
-                return
-            try:
-                self._guarded_cycle()
-            finally:
-                self._driver.release()
+                    if not (self._pending or self._waiting) or self._dormant or self._finished:
+                        return
+                if not self._driver.acquire(blocking=False):
+                    self._flush = True  # the thread's cycle hurries; this caller runs the next
+                    if not self._driver.acquire(timeout=WITHDRAW_AFTER_S):
+                        return
+                try:
+                    self._flush = False
+                    self._guarded_cycle(urgent=True)
+                finally:
+                    self._driver.release()
+        finally:
+            with self._lock:
+                self._callers -= 1
 
     def _run(self) -> None:
         while True:
             with self._lock:
                 if self._finished or not self._wait_for_cycle():
                     return
+            with self._lock:
+                urgent = self._has_work()
             with self._driver:
-                self._guarded_cycle()
+                self._guarded_cycle(urgent)
 
-    def _guarded_cycle(self) -> None:
+    def _has_work(self) -> bool:
+        """Under the lock: whether this rank needs cycles now (else they only keep it in step)."""
+        return bool(self._pending or self._waiting or self._queued or self._suspend_requested or self._closing)
+
+    def _guarded_cycle(self, urgent: bool) -> None:
+        """A cycle; ``urgent``: some work of this rank's waits on it, so its waits yield the core
+        rather than sleep (otherwise they sleep: a rank with nothing to do must not spin)."""
         try:
-            with waiting.impatiently():  # a caller waits on this round trip, or a peer does
-                self._cycle()
+            with waiting.impatiently() if urgent else contextlib.nullcontext():
+                self._cycle(urgent)
         except RingmasterError as error:
             self._finished = True
             self._on_fatal(error)
@@ -317,7 +339,7 @@ class ResponseCache:
             self._on_fatal(RingmasterError(f"rank {self.rank}: the response cache failed: "
                                            f"{type(error).__name__}: {error}"))
 
-    def _cycle(self) -> None:
+    def _cycle(self, urgent: bool) -> None:
         """One cycle (the caller holds the driver lock): agree, apply, run what is ready everywhere."""
         with self._lock:
             if self._dormant or self._finished:
@@ -325,7 +347,7 @@ class ResponseCache:
             self._withdraw_stale(time.monotonic())
             vector = self._vector()
         result = np.empty_like(vector)
-        if not self._wait(self.comm.Iallreduce(vector, result, op=MPI.MIN)):
+        if not self._wait(self.comm.Iallreduce(vector, result, op=MPI.MIN), urgent):
             with self._lock:
                 self._give_up()
                 self._finished = True
@@ -336,15 +358,28 @@ class ResponseCache:
         if ready and not self._run_slots(ready):
             self._finished = True
 
-    def _wait(self, request) -> bool:
-        """Wait for a cycle's allreduce; False if a rank left, so that it can never complete."""
-        while True:
-            try:
-                waiting.wait_for(request, WITHDRAW_AFTER_S)
+    def _wait(self, request, urgent: bool) -> bool:
+        """Wait for a cycle's allreduce; False if a rank left, so that it can never complete.
+
+        Not ``urgent``, it sleeps between tests, and turns urgent as soon as a caller wants
+        the cycle (a caller that finds this thread cycling waits for it to finish).
+        """
+        while not urgent:
+            if request.Test():
                 return True
-            except TimeoutError:
-                if self._peer_left is not None:
-                    return False
+            time.sleep(IDLE_TEST_PAUSE_S)
+            urgent = self._flush
+            error = waiting.abort_error()
+            if error is not None:
+                raise error
+        with waiting.impatiently():
+            while True:
+                try:
+                    waiting.wait_for(request, WITHDRAW_AFTER_S)
+                    return True
+                except TimeoutError:
+                    if self._peer_left is not None:
+                        return False
 
     def _give_up(self) -> None:
         """Under the lock: a rank left; every hit here goes to the coordinator, which fails it."""
@@ -372,9 +407,15 @@ class ResponseCache:
                 self._negotiate([pb.TensorRequest(name="cache.wake", op_type=pb.CACHE_WAKE)])
             self._lock.wait()
         # A caller waits on a hit here: cycle at once, again and again until it has run.
-        # Otherwise one cycle per cycle time, which is what makes a late rank's hit wait.
-        while not (self._flush and (self._pending or self._waiting)) and not self._finished and not self._dormant:
-            pause = self._last_cycle_at + self._cycle_time_s - time.monotonic()
+        # Otherwise one cycle per cycle time while this rank has work; with none, only every
+        # IDLE_CYCLE_S: its cycles then only keep it in step with the others (whose callers,
+        # when they wait, run cycles themselves), until every rank is idle and all sleep.
+        while not self._finished and not self._dormant:
+            if self._flush and (self._pending or self._waiting) and not self._callers:
+                self._flush = False
+                break
+            period = self._cycle_time_s if self._has_work() else max(self._cycle_time_s, IDLE_CYCLE_S)
+            pause = self._last_cycle_at + period - time.monotonic()
             if pause <= 0:
                 break
             self._lock.wait(pause)  # a caller may run cycles meanwhile, which postpones this one
