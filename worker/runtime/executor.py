@@ -154,6 +154,10 @@ class Executor:
     def start(self) -> None:
         self._thread.start()
 
+    def lower_priority(self) -> None:
+        """Give the calling thread this executor's nice value (another thread that runs its responses)."""
+        _lower_this_threads_priority(self.nice)
+
     def submit(self, response_list: pb.ResponseList) -> None:
         """Called by the receiver thread for each response list, in arrival order."""
         recording = timeline.active()

@@ -90,7 +90,8 @@ class Runtime:
             return None
         cache_comm = comm.Dup()
         runner = Executor(cache_comm, self.table, config.allreduce_algorithm, on_join=self._joined,
-                          on_fatal=self.fail, across_hosts=self.cross_size > 1, local_size=self.local_size)
+                          on_fatal=self.fail, nice=config.background_nice, across_hosts=self.cross_size > 1,
+                          local_size=self.local_size)
         cache = ResponseCache(cache_comm, runner, config.cache_capacity, config.fusion_threshold_bytes,
                               config.cycle_time_ms / 1000.0, negotiate=lambda requests: self.outbox.add(requests, True),
                               on_fatal=self.fail)

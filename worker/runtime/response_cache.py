@@ -311,6 +311,9 @@ class ResponseCache:
                 self._callers -= 1
 
     def _run(self) -> None:
+        # Hits submitted from gradient hooks run here during backward, like the background
+        # thread's responses: at its priority (RINGMASTER_BACKGROUND_NICE), for the same reason.
+        self._executor.lower_priority()
         while True:
             with self._lock:
                 if self._finished or not self._wait_for_cycle():
