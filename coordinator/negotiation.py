@@ -307,6 +307,12 @@ class Negotiator:
         if rank not in self._joined:
             self._joined.append(rank)
             self._join_progress, self._join_warned = self._clock(), False
+            if len(self._joined) < self.size:
+                # Announced to every rank in the order (last_joined_rank -1: not the end of join):
+                # the joined rank's gradient plans start standing in for it only then, so that
+                # the others cannot finish steps, and join, before this join is counted here.
+                self._ready.append(pb.Response(op_type=pb.JOIN, names=["join"], joined_ranks=[rank],
+                                               last_joined_rank=-1))
         # A joined rank counts as having declared every tensor of the global set: some may
         # now be complete. (join() is global: other sets' tensors still wait for every member.)
         for entry in list(self._pending.values()):

@@ -160,6 +160,8 @@ def test_group_is_released_only_when_every_member_is_ready():
 def test_joined_rank_counts_as_declared_and_join_completes_when_all_joined():
     negotiator = Negotiator(2)
     negotiator.add_request(1, pb.TensorRequest(name="join", op_type=pb.JOIN))
+    [counted] = negotiator.pop_ready()  # every rank hears, in order, that rank 1's join counts
+    assert counted.op_type == pb.JOIN and list(counted.joined_ranks) == [1] and counted.last_joined_rank == -1
     negotiator.add_request(0, request("late"))
     [response] = negotiator.pop_ready()
     assert list(response.names) == ["late"] and list(response.joined_ranks) == [1]
@@ -173,7 +175,8 @@ def test_only_allreduce_and_barrier_run_with_a_joined_rank(op):
     negotiator = Negotiator(2)
     negotiator.add_request(1, pb.TensorRequest(name="join", op_type=pb.JOIN))
     negotiator.add_request(0, request("b", op=op, root_rank=0))
-    [response] = negotiator.pop_ready()
+    counted, response = negotiator.pop_ready()
+    assert counted.op_type == pb.JOIN
     assert response.error_kind == pb.INVALID_REQUEST and "have joined" in response.error_message
     assert "as in Horovod" in response.error_message and "may call join() now" in response.error_message
 

@@ -111,6 +111,7 @@ class Executor:
         table: where user threads put their entries.
         allreduce_algorithm: ``auto``, ``ring`` or ``mpi`` (see ``ringmaster.ops.allreduce``).
         on_join: called with the last joined rank when a JOIN completes.
+        on_join_counted: called once the coordinator has counted this rank's join (see ``_join``).
         on_fatal: called with the error when this rank can no longer run collectives.
         nice: the thread's nice value (0: as the training loop; 19: only on spare cycles).
         across_hosts: the job spans several hosts (its ring segments are sized for a network).
@@ -120,6 +121,7 @@ class Executor:
 
     def __init__(self, comm, table: TensorTable, allreduce_algorithm: str,
                  on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0,
+                 on_join_counted: Callable[[], None] = lambda: None,
                  across_hosts: bool = False, plan_overlap: str = "all", local_size: int = 1):
         self.nice = nice
         self._plan_overlap = plan_overlap
@@ -134,6 +136,7 @@ class Executor:
         self.table = table
         self.algorithm = allreduce_algorithm
         self._on_join = on_join
+        self._on_join_counted = on_join_counted
         self._on_fatal = on_fatal
         self._queue: "queue.Queue" = queue.Queue()
         self._expected_sequence = 1
@@ -270,7 +273,7 @@ class Executor:
         op = response.op_type
         if op == pb.CACHE_WAKE:
             self.cache.wake(response.error_message if response.error_kind != pb.NO_ERROR else None)
-        elif op == pb.JOIN:
+        elif op == pb.JOIN and response.last_joined_rank >= 0:
             self.cache.join_completed()
         elif (op in CACHEABLE_OPS and response.error_kind == pb.NO_ERROR and response.process_set_id == 0
               and not response.joined_ranks):
@@ -505,6 +508,11 @@ class Executor:
             self._complete(entry, None)
 
     def _join(self, response: pb.Response, group: SetComm) -> None:
+        if response.last_joined_rank < 0:  # the coordinator counted a rank's join (it announces each)
+            if self.rank in response.joined_ranks:
+                self._on_join_counted()
+            return
+        self._on_join_counted()  # the last rank to join: its plans answer the final headers too
         self._on_join(response.last_joined_rank)
 
     # -------------------------------------------------------- process sets

@@ -32,6 +32,7 @@ from ringmaster.worker.runtime.stack_dumps import install_dump_signal
 log = logging.getLogger("ringmaster.worker")
 
 
+
 class Runtime:
     """Everything one process needs to take part in a job. Build it with :func:`init`."""
 
@@ -47,12 +48,14 @@ class Runtime:
         self.fatal_error: Optional[RingmasterError] = None
         self._join_lock = threading.Lock()
         self._join_handle = None
+        self._plans_serving = False
         global_process_set.ranks = list(range(self.size))
         # Registered process sets by id (add_process_set / remove_process_set keep it).
         self.process_sets = {0: global_process_set}
         self.endpoint: CoordinatorEndpoint = find_coordinator(comm, config)
         self.executor = Executor(comm, self.table, config.allreduce_algorithm,
                                  on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
+                                 on_join_counted=self._join_counted,
                                  across_hosts=self.cross_size > 1, plan_overlap=config.plan_overlap,
                                  local_size=self.local_size)
         self.cache = self._start_cache(comm, config)
@@ -142,9 +145,21 @@ class Runtime:
             self._join_handle = handle
         if self.cache is not None:
             self.cache.join_requested()
-        # Gradient plans' steps are not negotiated: their threads answer the others' steps.
-        self.executor.serve_joined_plans()
+        self._plans_serving = False
+        # Gradient plans' steps are not negotiated: their threads answer the others' steps, once
+        # the coordinator has counted this join (_join_counted).
         self.outbox.add([pb.TensorRequest(name="join", op_type=pb.JOIN)], flush=True)
+
+    def _join_counted(self) -> None:
+        """The coordinator counted this rank's join: its gradient plans stand in for it from now.
+
+        Not before: the others' steps could otherwise end, and their own joins reach the
+        coordinator, before this one, which would then count as the last (join()'s result).
+        """
+        with self._join_lock:
+            serve, self._plans_serving = not self._plans_serving, True
+        if serve:
+            self.executor.serve_joined_plans()
 
     def _joined(self, last_rank: int) -> None:
         with self._join_lock:
