@@ -150,3 +150,21 @@ def test_ranks_must_agree_on_the_capacity():
     """, timeout=50)
     assert result.returncode != 0
     assert "RINGMASTER_CACHE_CAPACITY differs between ranks (from 16 to 32" in result.output, result.output[-3000:]
+
+
+@pytest.mark.timeout(90)
+def test_the_timeline_shows_collectives_run_from_the_cache(tmp_path):
+    path = tmp_path / "timeline.{rank}.json"
+    result = mpirun(2, f"""
+        import torch, ringmaster as rm
+        rm.init()
+        rm.start_timeline(r"{path}".replace("{{rank}}", str(rm.rank())))
+        for _ in range(3):
+            rm.allreduce(torch.ones(2), name="traced")
+        rm.stop_timeline()
+        rm.shutdown()
+    """, timeout=80)
+    assert result.returncode == 0, result.output[-3000:]
+    for rank in range(2):
+        text = (tmp_path / f"timeline.{rank}.json").read_text()
+        assert "NEGOTIATE_ALLREDUCE" in text and "CACHED_ALLREDUCE" in text, text[:2000]
