@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -31,7 +32,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="exit when standard input closes (the parent that started us died)")
     parser.add_argument("--persistent", action="store_true",
                         help="after all ranks shut down, wait for the job's next init() instead of exiting")
+    parser.add_argument("--report-file",
+                        help="when the job is aborted, write what failed there as JSON (kind, reason, "
+                             "failed_rank, failed_host): an elastic ringrun reads it to leave the host out")
     return parser.parse_args(argv)
+
+
+def write_report(path: str, kind: int, reason: str, failed_rank: int, failed_host: str) -> None:
+    """Write the first abort's report atomically (later aborts of the same run keep the first)."""
+    if os.path.exists(path):
+        return
+    from ringmaster.proto import ringmaster_pb2 as pb
+
+    report = {"kind": pb.ErrorKind.Name(kind) if kind in pb.ErrorKind.values() else str(kind),
+              "reason": reason, "failed_rank": failed_rank, "failed_host": failed_host}
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as handle:
+        json.dump(report, handle)
+    os.replace(temporary, path)
 
 
 def write_address(path: str, address: str) -> None:
@@ -71,6 +89,8 @@ def main(argv=None) -> int:
     except OSError as error:
         print(f"ringmaster coordinator: error: cannot listen on {args.bind}:{args.port}: {error}", file=sys.stderr)
         return 1
+    if args.report_file:
+        coordinator.on_abort = lambda *abort: write_report(args.report_file, *abort)
     advertised = f"{args.advertise or args.bind}:{coordinator.port}"
     if args.address_file:
         write_address(args.address_file, advertised)

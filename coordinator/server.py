@@ -90,6 +90,9 @@ class Coordinator:
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._serve, name="ringmaster-coordinator", daemon=True)
+        #: called as ``on_abort(kind, reason, failed_rank, failed_host)`` when the job is aborted
+        #: (an elastic ringrun learns from it which host failed: ``--report-file``)
+        self.on_abort = None
 
     @property
     def address(self) -> str:
@@ -338,6 +341,8 @@ class Coordinator:
                    stalled_ranks: Sequence[int] = ()) -> None:
         """Tell every rank the job cannot go on, then finish."""
         log.error("aborting the job: %s", reason)
+        if self.on_abort is not None:
+            self.on_abort(kind, reason, failed_rank, failed_host)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=failed_rank,
                                                      failed_host=failed_host, stalled_ranks=stalled_ranks))
         size = abort.ByteSize()
