@@ -16,6 +16,9 @@ path                        method   meaning
 :data:`HOSTS_PATH`          GET      the host-set version, as decimal text
 :data:`REFORM_PATH`         POST     rank 0 asks for a new generation over the updated
                                      hosts (after :class:`HostsUpdatedInterrupt`)
+:data:`REFORM_PATH`         GET      the driver: ``1`` if that was asked in this generation
+:data:`HOSTS_PATH`          POST     the driver: hosts changed, bump the version
+:data:`NEW_GENERATION_PATH` POST     the driver: a new generation starts
 ==========================  =======  ===================================================
 
 This module is shared by launcher and ranks: no torch, no MPI.
@@ -37,6 +40,8 @@ TOKEN_HEADER = "X-Ringmaster-Token"
 STATE_PATH = "/state"
 HOSTS_PATH = "/hosts"
 REFORM_PATH = "/reform"
+#: The driver only: forget the last generation's re-form request.
+NEW_GENERATION_PATH = "/generation"
 
 #: The largest snapshot the service accepts (bytes); a bigger PUT is refused with 413.
 MAX_SNAPSHOT_BYTES = 16 * 1024 ** 3
@@ -62,3 +67,74 @@ def hosts_version(environ: Mapping[str, str]) -> int:
         return int(environ.get(HOSTS_VERSION_VAR, "0"))
     except ValueError:
         return 0
+
+
+class ServiceError(RuntimeError):
+    """The state service could not be reached or refused a call."""
+
+
+class ServiceClient:
+    """Calls to the driver's state service (ranks and the driver both use it).
+
+    Args:
+        address: ``host:port`` of the service.
+        secret: the job token.
+        timeout_s: bound on each call (a snapshot upload gets this per MiB more).
+    """
+
+    def __init__(self, address: str, secret: str, timeout_s: float = 30.0):
+        self.address = address
+        self._secret = secret
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: Optional[bytes] = None, missing_ok: bool = False) -> Optional[bytes]:
+        import http.client
+
+        host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")
+        timeout = self.timeout_s + (len(body) / (1 << 20) if body else 0.0)
+        connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        try:
+            headers = {TOKEN_HEADER: self._secret, "Content-Length": str(len(body) if body else 0)}
+            connection.request(method, path, body=body, headers=headers)
+            response = connection.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException) as error:
+            raise ServiceError(f"the elastic state service at {self.address} did not answer {method} {path}: "
+                               f"{error}") from None
+        finally:
+            connection.close()
+        if response.status == 404 and missing_ok:
+            return None
+        if response.status >= 300:
+            raise ServiceError(f"the elastic state service at {self.address} refused {method} {path}: "
+                               f"{response.status} {data.decode(errors='replace').strip()}")
+        return data
+
+    def put_state(self, snapshot: bytes) -> None:
+        """Store ``snapshot`` as the job's last commit."""
+        self._call("PUT", STATE_PATH, snapshot)
+
+    def get_state(self) -> Optional[bytes]:
+        """The last committed snapshot, or ``None`` before the first commit."""
+        return self._call("GET", STATE_PATH, missing_ok=True)
+
+    def hosts_version(self) -> int:
+        """The current host-set version."""
+        return int(self._call("GET", HOSTS_PATH))
+
+    def request_reform(self) -> None:
+        """Ask for a new generation over the updated hosts."""
+        self._call("POST", REFORM_PATH, b"1")
+
+    def reform_requested(self) -> bool:
+        """Whether this generation asked to re-form (the driver asks once the generation ended)."""
+        return self._call("GET", REFORM_PATH) == b"1"
+
+    def announce_hosts_changed(self) -> int:
+        """Bump the host-set version (the driver); returns the new version."""
+        return int(self._call("POST", HOSTS_PATH, b"1"))
+
+    def new_generation(self) -> None:
+        """Clear the re-form request before the next generation starts (the driver)."""
+        self._call("POST", NEW_GENERATION_PATH, b"1")

