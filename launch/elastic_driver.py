@@ -49,7 +49,7 @@ from ringmaster.common import elastic as protocol
 from .coordinator_process import CoordinatorProcess
 from .elastic_hosts import Blacklist, HostDiscovery
 from .errors import FAILURE_EXIT, LaunchError
-from .hosts import Host, total_slots
+from .hosts import Host, is_local_host, total_slots
 from .job import MpiJob
 from .mpi_command import build_command
 from .output import OutputRelay
@@ -187,6 +187,8 @@ def match_host(reported: str, hosts: Sequence[Host]) -> Optional[str]:
     for name in names:
         if name.split(".")[0] == short:
             return name
+    if is_local_host(reported):  # "localhost" or this machine's address in -H, its hostname reported
+        return next((name for name in names if is_local_host(name)), None)
     return None
 
 
