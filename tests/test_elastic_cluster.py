@@ -1,0 +1,137 @@
+"""Elastic training across namespace hosts (tests/cluster/): lose a host, keep training; get it back, grow.
+
+Each job runs tests/jobs/elastic_train.py under an elastic ``ringrun`` started on host 1,
+one rank per host. The job's state records every optimizer step it kept (world size and
+each rank's batch indices); the final parameters must equal
+:func:`elastic_train.replay` of that record in this process, to 1e-5. The tests skip where
+no cluster can be built (see tests/test_cluster.py).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mpijob import JOBS_DIR, job_environment
+
+from cluster.fixtures import netns_cluster_factory, start_on, wait_for_no_processes  # noqa: F401
+
+sys.path.insert(0, JOBS_DIR)
+import elastic_train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "jobs" / "elastic_train.py"
+
+
+def elastic_ringrun(cluster, out: Path, *options: str, job_args=()):
+    return [sys.executable, "-m", "ringmaster.launch", "--ssh-identity-file", cluster.key,
+            "--network-interface", cluster.interface, "--start-timeout", "20", *options,
+            sys.executable, str(JOB), str(out), *job_args]
+
+
+def assert_matches_replay(out: Path):
+    """The job's final parameters equal the one-process replay of its committed steps."""
+    record = torch.load(out, weights_only=False)
+    reference = elastic_train.replay(record["history"], elastic_train.EXAMPLES)
+    worst = max((reference[name] - record["state_dict"][name]).abs().max().item() for name in reference)
+    assert worst < 1e-5, f"final parameters differ from the replay by {worst:g}"
+    return record
+
+
+def kill_ranks_on(host) -> list:
+    """SIGKILL every rank of the job (the python processes running the job script) on ``host``."""
+    pids = [pid for pid, line in host.processes().items() if str(JOB) in line and "ringmaster.launch" not in line]
+    assert pids, host.processes()
+    host.run([sys.executable, "-c", f"import os; [os.kill(p, 9) for p in {pids}]"], check=True)
+    return pids
+
+
+@pytest.mark.timeout(120)
+def test_killing_every_rank_of_a_host_shrinks_the_job_which_matches_the_replay(netns_cluster_factory, tmp_path):
+    """SIGKILL of the ranks on host 3 mid-training: the job re-forms on hosts 1 and 2 from the
+    last commit (a log line names host 3), runs the reset callbacks there, and finishes; its
+    final parameters equal the one-process replay of its (world size, batches) record, which
+    holds steps on 3 ranks then on 2."""
+    cluster = netns_cluster_factory(3)
+    first, _, third = cluster.hosts
+    out = tmp_path / "final.pt"
+    command = elastic_ringrun(cluster, out, "-np", "3", "--min-np", "2", "-H", cluster.hosts_arg(1),
+                              job_args=["--step-sleep", "0.1"])
+    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        job.wait_for_matches(rf"STEP 0 5 rank 2 host {third.name}", count=1, timeout=60)
+        kill_ranks_on(third)
+        killed_at = time.monotonic()
+        job.wait_for_matches(r"RESET size 2", count=2, timeout=40)
+        reset_after = time.monotonic() - killed_at
+        returncode = job.wait(timeout=60)
+    assert returncode == 0, job.output[-4000:]
+    assert re.search(rf"lost rank 2 on host {re.escape(third.name)} .*re-forming the job from the last commit",
+                     job.output), job.output[-4000:]
+    record = assert_matches_replay(out)
+    sizes = [size for size, _ in record["history"]]
+    assert sizes[0] == 3 and sizes[-1] == 2 and record["resets"] == 1, sizes
+    assert reset_after < 30, f"the job took {reset_after:.1f} s to re-form"
+    assert wait_for_no_processes(cluster) == {}
+
+
+@pytest.mark.timeout(60)
+def test_below_min_np_ends_with_an_error_naming_the_lost_host(netns_cluster_factory, tmp_path):
+    """With --min-np 3 on 3 hosts, losing host 3's rank ends the job within 10 s, with an error
+    naming host 3 and --min-np, and nothing left running."""
+    cluster = netns_cluster_factory(3)
+    first, _, third = cluster.hosts
+    command = elastic_ringrun(cluster, tmp_path / "final.pt", "-np", "3", "--min-np", "3", "-H",
+                              cluster.hosts_arg(1), job_args=["--step-sleep", "0.2", "--epochs", "50"])
+    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        job.wait_for_matches(rf"STEP 0 2 rank 2 host {third.name}", count=1, timeout=60)
+        kill_ranks_on(third)
+        killed_at = time.monotonic()
+        returncode = job.wait(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    assert returncode != 0
+    message = re.search(r"ringrun: error: only 2 slot\(s\) left, below --min-np 3; lost hosts: (.*)", job.output)
+    assert message and third.name in message[1], job.output[-3000:]
+    assert elapsed < 10, f"the job took {elapsed:.1f} s to end"
+    assert wait_for_no_processes(cluster) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_host_whose_network_stops_is_left_out_and_the_job_grows_back_when_it_returns(netns_cluster_factory,
+                                                                                    tmp_path):
+    """Host 3's network link goes down mid-training: its rank stops answering, the coordinator
+    names it after the heartbeat timeout, and the job re-forms on hosts 1 and 2. The link comes
+    back and the discovery script (which lists all three hosts throughout) offers host 3 again
+    once its cooldown is over: at the next commit the ranks re-form on 3 hosts, which receive
+    the committed state, and the job finishes there, matching the one-process replay."""
+    cluster = netns_cluster_factory(3)
+    first, _, third = cluster.hosts
+    out = tmp_path / "final.pt"
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("".join(f"{host.name}:1\n" for host in cluster.hosts))
+    command = elastic_ringrun(cluster, out, "-np", "3", "--min-np", "2", "--max-np", "3",
+                              "--host-discovery-script", f"cat {hosts_file}", "--blacklist-cooldown-s", "4",
+                              "--heartbeat-timeout-s", "2", "--heartbeat-interval-s", "0.5",
+                              job_args=["--step-sleep", "0.15", "--epochs", "3"])
+    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        job.wait_for_matches(rf"STEP 0 5 rank 2 host {third.name}", count=1, timeout=60)
+        third.run(["ip", "link", "set", "eth0", "down"], check=True)
+        try:
+            job.wait_for_matches(r"RESET size 2", count=2, timeout=40)
+        finally:
+            third.run(["ip", "link", "set", "eth0", "up"], check=True)
+        job.wait_for_matches(r"RESET size 3", count=3, timeout=60)
+        returncode = job.wait(timeout=60)
+    assert returncode == 0, job.output[-4000:]
+    assert re.search(rf"lost rank 2 on host {re.escape(third.name)} .*sent no heartbeat", job.output), \
+        job.output[-4000:]
+    assert re.search(rf"hosts added {re.escape(third.name)}:1", job.output), job.output[-4000:]
+    record = assert_matches_replay(out)
+    sizes = [size for size, _ in record["history"]]
+    changes = [size for index, size in enumerate(sizes) if index == 0 or sizes[index - 1] != size]
+    assert changes == [3, 2, 3] and record["size"] == 3 and record["resets"] == 2, changes
+    assert wait_for_no_processes(cluster, timeout=20) == {}
