@@ -67,7 +67,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def gather_processed(self) -> None:
         """Union the processed indices of every rank (collective; needs ``rm.init()``)."""
-        if topology.size() > 1:
+        if _initialized() and topology.size() > 1:
             for part in functions.allgather_object(sorted(self.processed_indices)):
                 self.processed_indices.update(part)
 
