@@ -36,6 +36,11 @@ GENERATION_VAR = "RINGMASTER_ELASTIC_GENERATION"
 #: :data:`HOSTS_PATH` means hosts were added or removed.
 HOSTS_VERSION_VAR = "RINGMASTER_ELASTIC_HOSTS_VERSION"
 
+#: The job's --min-np (a job shrinking in place below it ends instead).
+MIN_NP_VAR = "RINGMASTER_ELASTIC_MIN_NP"
+#: "1" when the job runs under ULFM and shrinks in place when a rank is lost.
+SHRINK_VAR = "RINGMASTER_ELASTIC_SHRINK"
+
 TOKEN_HEADER = "X-Ringmaster-Token"
 STATE_PATH = "/state"
 HOSTS_PATH = "/hosts"

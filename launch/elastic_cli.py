@@ -12,10 +12,11 @@ import shutil
 import signal
 from typing import Mapping, Tuple
 
-from .elastic_driver import ElasticDriver, ElasticOptions
+from .elastic_driver import ElasticDriver, ElasticOptions, ulfm_available
 from .elastic_hosts import HostDiscovery
 from .errors import LaunchError
 from .hosts import Host, resolve_hosts, total_slots
+from .mpi_command import OPENMPI
 from .workdir import make_workdir, remove_stale_workdirs
 
 
@@ -38,6 +39,9 @@ def add_elastic_arguments(parser: argparse.ArgumentParser, number) -> None:
     group.add_argument("--blacklist-cooldown-s", type=number(float, 0, True), metavar="S",
                        help="a host whose ranks failed is left out for S seconds, doubled at each further "
                             "failure (default 60)")
+    group.add_argument("--no-shrink-in-place", dest="shrink_in_place", action="store_false", default=None,
+                       help="re-form with a new mpirun also when a rank is lost on a live host (default: with an "
+                            "Open MPI that has ULFM, the survivors shrink the job in place, over TCP)")
     group.add_argument("--discovery-interval-s", type=number(float, 0, False), metavar="S",
                        help="how often the discovery script runs while the job trains (default 1)")
 
@@ -89,12 +93,23 @@ def check_elastic_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         reset_limit=args.reset_limit,
         blacklist_cooldown_s=args.blacklist_cooldown_s if args.blacklist_cooldown_s is not None else 60.0,
         discovery_interval_s=args.discovery_interval_s if args.discovery_interval_s is not None else 1.0,
+        shrink_in_place=args.shrink_in_place is not False,
     )
     return options, ",".join(str(Host(h.name, h.slots)) for h in hosts)
 
 
 def run_elastic(plan, options: ElasticOptions, forwarded_signals) -> int:
-    """Run the elastic job of ``plan``; returns ringrun's exit status."""
+    """Run the elastic job of ``plan``; returns ringrun's exit status.
+
+    The survivors of a lost rank shrink the job in place when ``options.shrink_in_place``
+    allows it, the MPI is an Open MPI with ULFM, and ``--mpi-args`` choose no transport
+    (ULFM needs TCP: shared memory does not detect failures).
+    """
+    if options.shrink_in_place:
+        chooses_transport = any(arg.lstrip("-") in ("with-ft", "mca") and value in ("btl", "pml", "ulfm")
+                                for arg, value in zip(plan.spec.mpi_args, list(plan.spec.mpi_args[1:]) + [""]))
+        options.shrink_in_place = (plan.mpi.kind == OPENMPI and not chooses_transport
+                                   and ulfm_available(plan.mpi.executable))
     secret = secrets.token_hex(32)
     remove_stale_workdirs()
     workdir = make_workdir()

@@ -72,6 +72,9 @@ class ElasticOptions:
     reset_limit: Optional[int] = None
     blacklist_cooldown_s: float = 60.0
     discovery_interval_s: float = 1.0
+    #: run mpirun under ULFM so that ranks lost on a live host are shrunk away in place
+    shrink_in_place: bool = False
+    shrink_timeout_s: float = 10.0
 
 
 @dataclasses.dataclass
@@ -85,6 +88,9 @@ class Generation:
     report: Optional[dict] = None
     reform: bool = False
     seconds: float = 0.0
+    #: the coordinator's report, one dict per line ("abort" / "welcome" events)
+    events: List[dict] = dataclasses.field(default_factory=list)
+    shrinks: int = 0
 
 
 class _ServiceProcess:
@@ -137,8 +143,10 @@ class _ReportingCoordinator(CoordinatorProcess):
         super().__init__(*args, **kwargs)
         self.report_file = report_file
 
+    elastic = False
+
     def command(self) -> List[str]:
-        return super().command() + ["--report-file", self.report_file]
+        return super().command() + ["--report-file", self.report_file] + (["--elastic"] if self.elastic else [])
 
 
 class _GenerationJob(MpiJob):
@@ -160,6 +168,43 @@ class _GenerationJob(MpiJob):
                 self._kill_at = None
             if self._tick():
                 signal_session(process.pid, 9)
+
+
+#: mpirun arguments for a job that shrinks in place: ULFM, over TCP (shared memory has no
+#: failure detection: a survivor's collective with a dead rank never returns).
+ULFM_ARGS = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "pml", "ob1"]
+
+
+def ulfm_available(mpirun: str, timeout: float = 20.0) -> bool:
+    """True when the Open MPI next to ``mpirun`` has ULFM ("FT MPI support: yes" in ``ompi_info``)."""
+    ompi_info = os.path.join(os.path.dirname(mpirun), "ompi_info")
+    if not os.path.exists(ompi_info):
+        return False
+    try:
+        result = subprocess.run([ompi_info], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                stdin=subprocess.DEVNULL, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(line.split(":", 1)[0].strip() == "FT MPI support" and line.split(":", 1)[1].strip().startswith("yes")
+               for line in result.stdout.splitlines() if ":" in line)
+
+
+def read_events(path: str, offset: int) -> Tuple[List[dict], int]:
+    """The coordinator's report lines written since ``offset`` (whole lines only) and the new offset."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    events = []
+    for line in data[:end].splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass
+    return events, offset + end
 
 
 def order_hosts(available: Sequence[Host], previous: Sequence[Host], max_np: int) -> Tuple[List[Host], int]:
@@ -220,12 +265,13 @@ class ElasticDriver:
                                           os.path.join(self.workdir, "elastic.address"), self.plan.start_timeout)
         try:
             self._service = protocol.ServiceClient(service_process.start(), self.secret)
-            resets = 0
             previous: List[Host] = []
             while True:
                 hosts, num_proc = self._choose_hosts(previous, first=not self.generations)
                 generation = self._run_generation(len(self.generations), hosts, num_proc)
                 self.generations.append(generation)
+                if self._limit_error is not None:
+                    raise LaunchError(self._limit_error, FAILURE_EXIT)
                 if generation.reform:
                     why = "the hosts changed"
                 elif generation.status == 0:
@@ -234,18 +280,27 @@ class ElasticDriver:
                     return generation.status
                 else:
                     why = self._blame(generation)
-                resets += 1
-                limit = self.options.reset_limit
-                if limit is not None and resets > limit:
-                    raise LaunchError(f"the job was re-formed {limit} times (--reset-limit {limit}) and needs it "
-                                      f"again because {why}; giving up", FAILURE_EXIT)
+                error = self._count_reset(why)
+                if error is not None:
+                    raise LaunchError(error, FAILURE_EXIT)
                 commits = "the last commit" if self._has_commit() else "the start (nothing was committed yet)"
-                self._say(f"{why}: re-forming the job from {commits} (re-form {resets})")
+                self._say(f"{why}: re-forming the job from {commits} (re-form {self.resets})")
                 previous = generation.hosts
         finally:
             service_process.stop()
 
     _interrupted = False
+    resets = 0
+    _limit_error: Optional[str] = None
+
+    def _count_reset(self, why: str) -> Optional[str]:
+        """Count one re-form; the error message when it is one more than --reset-limit."""
+        self.resets += 1
+        limit = self.options.reset_limit
+        if limit is not None and self.resets > limit:
+            return (f"the job was re-formed {limit} times (--reset-limit {limit}) and needs it again because "
+                    f"{why}; giving up")
+        return None
 
     def _has_commit(self) -> bool:
         try:
@@ -288,18 +343,26 @@ class ElasticDriver:
     def _watch_hosts(self, generation: Generation):
         """The tick during a generation: poll discovery, announce changes, end an aborted mpirun."""
         state = {"next_poll": time.monotonic() + self.options.discovery_interval_s, "announced": False,
-                 "abort_seen": None}
+                 "abort_seen": None, "offset": 0}
         current = {host.name for host in generation.hosts}
+
+        grace = self.options.shrink_timeout_s + 10.0 if self.options.shrink_in_place else ABORT_GRACE_S
 
         def tick() -> bool:
             now = time.monotonic()
-            if os.path.exists(self._report_path(generation.number)):
-                if state["abort_seen"] is None:
+            events, state["offset"] = read_events(self._report_path(generation.number), state["offset"])
+            for event in events:
+                generation.events.append(event)
+                if event.get("event") == "abort":
                     state["abort_seen"] = now
-                elif now - state["abort_seen"] > ABORT_GRACE_S:
-                    self._say(f"mpirun did not end within {ABORT_GRACE_S:g} s of the abort: killing it")
-                    state["abort_seen"] = float("inf")
-                    return True
+                elif event.get("event") == "welcome" and state["abort_seen"] is not None:
+                    state["abort_seen"] = None
+                    if not self._shrunk(generation, int(event.get("size", 0)), current):
+                        return True  # past --reset-limit: end the job
+            if state["abort_seen"] is not None and now - state["abort_seen"] > grace:
+                self._say(f"mpirun did not end within {grace:g} s of the abort: killing it")
+                state["abort_seen"] = float("inf")
+                return True
             if state["announced"] or now < state["next_poll"] or self.options.discovery.script is None:
                 return False
             state["next_poll"] = now + self.options.discovery_interval_s
@@ -340,6 +403,7 @@ class ElasticDriver:
             env=dict(plan.base_env, RINGMASTER_SECRET=self.secret),
             address_file=os.path.join(self.workdir, f"coordinator.{number}.address"),
             start_timeout=plan.start_timeout, report_file=self._report_path(number))
+        coordinator.elastic = self.options.shrink_in_place
         started = time.monotonic()
         try:
             address = coordinator.start()
@@ -347,11 +411,14 @@ class ElasticDriver:
             env[protocol.ADDR_VAR] = self._service.address
             env[protocol.GENERATION_VAR] = str(number)
             env[protocol.HOSTS_VERSION_VAR] = str(version)
+            env[protocol.MIN_NP_VAR] = str(self.options.min_np)
+            env[protocol.SHRINK_VAR] = "1" if self.options.shrink_in_place else "0"
             names = list(plan.spec.export_names)
-            names += [name for name in (protocol.ADDR_VAR, protocol.GENERATION_VAR, protocol.HOSTS_VERSION_VAR)
-                      if name not in names]
+            names += [name for name in (protocol.ADDR_VAR, protocol.GENERATION_VAR, protocol.HOSTS_VERSION_VAR,
+                                        protocol.MIN_NP_VAR, protocol.SHRINK_VAR) if name not in names]
+            mpi_args = (ULFM_ARGS if self.options.shrink_in_place else []) + list(plan.spec.mpi_args)
             spec = dataclasses.replace(plan.spec, num_proc=num_proc, hosts=list(hosts), hostfile=None,
-                                       export_names=names)
+                                       export_names=names, mpi_args=mpi_args)
             command = build_command(plan.mpi, spec)
             self._say(f"generation {number}: {num_proc} rank(s) on {','.join(str(h) for h in hosts)}")
             if plan.verbose:
@@ -363,20 +430,47 @@ class ElasticDriver:
         finally:
             coordinator.stop()
         generation.seconds = time.monotonic() - started
-        try:
-            with open(self._report_path(number), encoding="utf-8") as handle:
-                generation.report = json.load(handle)
-        except (FileNotFoundError, ValueError):
-            generation.report = None
+        generation.events = read_events(self._report_path(number), 0)[0]
+        generation.report = self._last_abort(generation)
         try:
             generation.reform = self._service.reform_requested()
         except protocol.ServiceError:
             generation.reform = False
         return generation
 
+    def _last_abort(self, generation: Generation) -> Optional[dict]:
+        """The coordinator's last abort, unless the survivors registered again after it."""
+        last = None
+        for event in generation.events:
+            last = event if event.get("event") == "abort" else None
+        return last
+
+    def _shrunk(self, generation: Generation, size: int, current: set) -> bool:
+        """The survivors shrank the job in place: blame the host, log, count; False past --reset-limit."""
+        abort = next((e for e in reversed(generation.events) if e.get("event") == "abort"), None)
+        generation.shrinks += 1
+        what = "a rank was lost"
+        if abort is not None and abort.get("failed_host"):
+            host = match_host(abort["failed_host"], generation.hosts) or abort["failed_host"]
+            cooldown = self.blacklist.add(host, f"rank {abort['failed_rank']} failed")
+            if host not in self.lost:
+                self.lost.append(host)
+            current.discard(host)
+            generation.hosts = [h for h in generation.hosts if h.name != host]
+            what = f"lost rank {abort['failed_rank']} on host {host} ({abort['reason']}); {host} is left out for " \
+                   f"{cooldown:g} s"
+        generation.num_proc = size
+        error = self._count_reset(what)
+        if error is not None:
+            self._limit_error = error
+            return False
+        self._say(f"{what}: the other ranks shrank the job in place to {size} rank(s) and go on from the last "
+                  f"commit (re-form {self.resets})")
+        return True
+
     def _blame(self, generation: Generation) -> str:
         """Blacklist the host that failed first; returns what happened, for the log line."""
-        report = generation.report
+        report = self._last_abort(generation)
         if not report or report.get("kind") not in ("RANK_FAILED", "PROTOCOL") or not report.get("failed_host"):
             detail = f" ({report['reason']})" if report else ""
             raise LaunchError(f"generation {generation.number} failed with status {generation.status}{detail}, "

@@ -13,9 +13,14 @@ state, does:
    and stored, rank 0 asks the driver to re-form, and every rank leaves (exit status 0); the
    driver starts the next generation on the new hosts, which resumes from that state.
 4. If a rank or host is lost, the collectives fail on every rank
-   (``rm.HorovodInternalError``, i.e. ``RingmasterError``), the generation ends, and the
-   driver re-forms the job without the lost host, from the last commit: work done after it
-   is done again.
+   (``rm.HorovodInternalError``, i.e. ``RingmasterError``). Where the driver runs the job
+   under ULFM (``RINGMASTER_ELASTIC_SHRINK=1``) and MPI survives the loss (the rank's host
+   is still up), the survivors shrink their communicator in place
+   (:mod:`ringmaster.worker.runtime.elastic_shrink`), start a new session with the
+   coordinator at the new size, restore the last commit from memory, ``sync()``, run
+   ``on_reset()`` and call the function again. Otherwise (a lost host ends the ``mpirun``)
+   the generation ends, and the driver re-forms the job without the lost host, from the
+   last commit it holds. Either way work done after the last commit is done again.
 
 Outside an elastic ``ringrun`` the function simply runs once (after ``sync()``), and errors
 propagate as in a non-elastic job.
@@ -31,6 +36,7 @@ import sys
 from ringmaster.common import elastic as protocol
 from ringmaster.worker.frontend import collectives, functions, topology
 from ringmaster.worker.frontend.elastic_state import HostsUpdatedInterrupt, State, service_client
+from ringmaster.worker.runtime import current, elastic_shrink
 from ringmaster.worker.runtime.errors import RingmasterError
 
 log = logging.getLogger("ringmaster.elastic")
@@ -58,23 +64,60 @@ def run(func):
                 log.warning("elastic: generation %d: %d ranks, resuming from the last commit", generation,
                             topology.size())
             state.on_reset()
-        try:
-            return func(state, *args, **kwargs)
-        except HostsUpdatedInterrupt:
-            if service is None:
-                raise
-            _leave_for_reform(state, service)
-        except RingmasterError as error:
-            if service is None:
-                raise
-            # The generation is over: the driver re-forms the job from the last commit. One
-            # line, not a traceback per rank: the error is the job's, not this code's.
-            log.error("elastic: rank %d leaves generation %d: %s", _rank_or_minus_one(), generation, error)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            raise SystemExit(1) from None
+        while True:
+            try:
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt:
+                if service is None:
+                    raise
+                _leave_for_reform(state, service)
+            except RingmasterError as error:
+                if service is None or not _job_failed():
+                    raise  # a mismatch or another error the job goes on after: the script's to handle
+                if elastic_shrink.shrink_enabled():
+                    _shrink_in_place(state, error)
+                    continue
+                # The generation is over: the driver re-forms the job from the last commit. One
+                # line, not a traceback per rank: the error is the job's, not this code's.
+                log.error("elastic: rank %d leaves generation %d: %s", _rank_or_minus_one(), generation, error)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                raise SystemExit(1) from None
 
     return wrapper
+
+
+def _job_failed() -> bool:
+    """True when the error ended the job's runtime (a lost rank), not just one collective."""
+    runtime = current.peek()
+    return runtime is not None and runtime.fatal_error is not None
+
+
+def _shrink_in_place(state: State, error: RingmasterError) -> None:
+    """A rank was lost and MPI survives it (ULFM): shrink to the survivors, restore, go on."""
+    old_rank, old_size = _rank_or_minus_one(), topology.size()
+    try:
+        comm = elastic_shrink.shrink_failed_runtime()
+    except RuntimeError as failure:
+        log.error("elastic: rank %d cannot shrink the job in place (%s); it leaves, and ringrun re-forms the "
+                  "job from the last commit", old_rank, failure)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    minimum = int(os.environ.get(protocol.MIN_NP_VAR, "1"))
+    if comm.Get_size() < minimum:
+        if comm.Get_rank() == 0:
+            log.error("elastic: only %d ranks are left, below --min-np %d", comm.Get_size(), minimum)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    topology.init(comm=comm)
+    if topology.rank() == 0:
+        log.warning("elastic: %d of %d ranks left (%s); the job goes on with them from the last commit",
+                    topology.size(), old_size, error)
+    state.restore()
+    state.sync()
+    state.on_reset()
 
 
 def _rank_or_minus_one() -> int:

@@ -1,0 +1,124 @@
+"""Shrinking a failed job's communicator in place (ULFM), for elastic training.
+
+Used by ``@rm.elastic.run`` when the elastic driver started the job with Open MPI's
+User-Level Failure Mitigation (``mpirun --with-ft ulfm`` over TCP; ``RINGMASTER_ELASTIC_SHRINK=1``)
+and a rank of the job failed while its host's MPI daemon lives on:
+
+1. **Revoke** every communicator of the failed runtime (the job's, the process sets', the
+   gradient plans'): operations pending on them, on any thread, fail at once with
+   ``MPI_ERR_REVOKED``, so the background thread and the plans' threads stop.
+2. Stop the runtime without waiting on MPI (the coordinator stream was already closed by the
+   coordinator's abort).
+3. **Shrink** the job's communicator: a fault-tolerant agreement among the survivors gives a
+   communicator of exactly the live ranks, in their old order. It runs on a helper thread
+   and is given ``RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S`` (default 10 s): when MPI never learns
+   of the failure (a host whose network stopped), this process exits and the elastic driver
+   re-forms the job with a new ``mpirun`` instead.
+
+The caller then runs ``rm.init(comm=shrunk)``: a new coordinator session of the new size.
+After a shrink, ``MPI_Finalize`` would wait for the dead rank forever, so this module
+registers an exit hook that shuts ringmaster down and leaves with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from typing import List
+
+from ringmaster.common.elastic import SHRINK_VAR
+from ringmaster.ops import waiting
+from ringmaster.worker.runtime import current, lifecycle
+
+log = logging.getLogger("ringmaster.elastic")
+
+SHRINK_TIMEOUT_VAR = "RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S"
+
+_exit_hook_installed = False
+
+
+def shrink_enabled() -> bool:
+    """True when the elastic driver started this job to shrink in place."""
+    return os.environ.get(SHRINK_VAR, "") == "1"
+
+
+def _communicators(runtime) -> List[object]:
+    executor = runtime.executor
+    comms = [runtime.comm]
+    comms += [group.comm for set_id, group in getattr(executor, "_sets", {}).items() if set_id != 0]
+    comms += [plan.comm for plan in getattr(executor, "_attached_plans", []) if getattr(plan, "comm", None)]
+    return comms
+
+
+def shrink_failed_runtime():
+    """Revoke the failed runtime's communicators, stop it, and shrink its communicator.
+
+    Returns:
+        The survivors' communicator (pass it to ``rm.init(comm=...)``).
+
+    Raises:
+        RuntimeError: there is no failed runtime, or the shrink failed.
+    """
+    runtime = current.peek()
+    if runtime is None or runtime.fatal_error is None:
+        raise RuntimeError("shrink_failed_runtime() needs a runtime whose job failed")
+    for comm in _communicators(runtime):
+        try:
+            comm.Revoke()
+        except Exception:  # noqa: BLE001 - already revoked, or freed: nothing more to stop
+            pass
+    try:
+        runtime.client.close(timeout_s=1.0)
+    except Exception:  # noqa: BLE001 - the stream is already gone
+        pass
+    runtime.executor.stop(timeout_s=5.0)
+    waiting.set_abort_check(None)
+    current.replace(None)
+    _install_exit_hook()
+    result = {}
+
+    def shrink():
+        try:
+            result["comm"] = runtime.comm.Shrink()
+        except Exception as error:  # noqa: BLE001 - reported to the caller
+            result["error"] = error
+
+    timeout = float(os.environ.get(SHRINK_TIMEOUT_VAR, "10"))
+    helper = threading.Thread(target=shrink, name="ringmaster-shrink", daemon=True)
+    helper.start()
+    helper.join(timeout)
+    if helper.is_alive():
+        raise RuntimeError(f"the surviving ranks did not agree on a smaller job within {timeout:g} s "
+                           f"({SHRINK_TIMEOUT_VAR}): MPI has not learnt of the failure (a host cut off?)")
+    if "error" in result:
+        raise RuntimeError(f"MPI could not shrink the job's communicator: {result['error']}")
+    return result["comm"]
+
+
+def _install_exit_hook() -> None:
+    """After a shrink, leave without MPI_Finalize (it would wait for the dead rank)."""
+    global _exit_hook_installed
+    if _exit_hook_installed:
+        return
+    _exit_hook_installed = True
+
+    def leave():
+        code = 0
+        try:
+            runtime = current.peek()
+            if runtime is not None and runtime.fatal_error is None:
+                lifecycle.shutdown()
+            elif runtime is not None:
+                code = 1
+        except Exception:  # noqa: BLE001 - leaving anyway
+            code = 1
+        if getattr(lifecycle, "_unhandled_exception", False):
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    atexit.register(leave)
