@@ -51,17 +51,19 @@ def kill_ranks_on(host) -> list:
 
 
 @pytest.mark.timeout(120)
-def test_killing_every_rank_of_a_host_shrinks_the_job_which_matches_the_replay(netns_cluster_factory, tmp_path):
-    """SIGKILL of the ranks on host 3 mid-training: the job re-forms on hosts 1 and 2 from the
-    last commit (a log line names host 3), runs the reset callbacks there, and finishes; its
-    final parameters equal the one-process replay of its (world size, batches) record, which
-    holds steps on 3 ranks then on 2."""
+def test_killing_every_rank_of_a_host_shrinks_the_job_in_place_matching_the_replay(netns_cluster_factory, tmp_path):
+    """SIGKILL of the ranks on host 3 mid-training (its MPI daemon lives on): the ranks on
+    hosts 1 and 2, the same processes, shrink the job in place (ULFM) within seconds, go on
+    from the last commit after the reset callbacks (a log line names host 3), and finish;
+    the final parameters equal the one-process replay of the job's (world size, batches)
+    record, which holds steps on 3 ranks then on 2."""
     cluster = netns_cluster_factory(3)
     first, _, third = cluster.hosts
     out = tmp_path / "final.pt"
     command = elastic_ringrun(cluster, out, "-np", "3", "--min-np", "2", "-H", cluster.hosts_arg(1),
                               job_args=["--step-sleep", "0.1"])
     with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        before = job.wait_for_matches(rf"STEP 0 5 rank \d host (\S+) pid (\d+)", count=1, timeout=60)
         job.wait_for_matches(rf"STEP 0 5 rank 2 host {third.name}", count=1, timeout=60)
         kill_ranks_on(third)
         killed_at = time.monotonic()
@@ -69,12 +71,15 @@ def test_killing_every_rank_of_a_host_shrinks_the_job_which_matches_the_replay(n
         reset_after = time.monotonic() - killed_at
         returncode = job.wait(timeout=60)
     assert returncode == 0, job.output[-4000:]
-    assert re.search(rf"lost rank 2 on host {re.escape(third.name)} .*re-forming the job from the last commit",
-                     job.output), job.output[-4000:]
+    assert re.search(rf"lost rank 2 on host {re.escape(third.name)} .*the other ranks shrank the job in place to "
+                     rf"2 rank\(s\)", job.output), job.output[-4000:]
+    steps = re.findall(r"STEP (\d+) \d+ rank \d host (\S+) pid (\d+)", job.stdout)
+    pids = {(host, pid) for generation, host, pid in steps if host != third.name}
+    assert {generation for generation, _, _ in steps} == {"0"} and len(pids) == 2, (pids, before)
     record = assert_matches_replay(out)
     sizes = [size for size, _ in record["history"]]
     assert sizes[0] == 3 and sizes[-1] == 2 and record["resets"] == 1, sizes
-    assert reset_after < 30, f"the job took {reset_after:.1f} s to re-form"
+    assert reset_after < 10, f"the job took {reset_after:.1f} s to shrink"
     assert wait_for_no_processes(cluster) == {}
 
 

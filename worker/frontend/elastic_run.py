@@ -71,8 +71,10 @@ def run(func):
                 if service is None:
                     raise
                 _leave_for_reform(state, service)
-            except RingmasterError as error:
-                if service is None or not _job_failed():
+            except Exception as error:  # noqa: BLE001 - sorted below; anything else is re-raised
+                failed = ((isinstance(error, RingmasterError) and _job_failed())
+                          or elastic_shrink.is_process_failure(error))
+                if service is None or not failed:
                     raise  # a mismatch or another error the job goes on after: the script's to handle
                 if elastic_shrink.shrink_enabled():
                     _shrink_in_place(state, error)
@@ -93,7 +95,7 @@ def _job_failed() -> bool:
     return runtime is not None and runtime.fatal_error is not None
 
 
-def _shrink_in_place(state: State, error: RingmasterError) -> None:
+def _shrink_in_place(state: State, error: Exception) -> None:
     """A rank was lost and MPI survives it (ULFM): shrink to the survivors, restore, go on."""
     old_rank, old_size = _rank_or_minus_one(), topology.size()
     try:
@@ -113,8 +115,9 @@ def _shrink_in_place(state: State, error: RingmasterError) -> None:
         os._exit(1)
     topology.init(comm=comm)
     if topology.rank() == 0:
+        reason = getattr(elastic_shrink.shrink_failed_runtime, "reason", None) or error
         log.warning("elastic: %d of %d ranks left (%s); the job goes on with them from the last commit",
-                    topology.size(), old_size, error)
+                    topology.size(), old_size, reason)
     state.restore()
     state.sync()
     state.on_reset()

@@ -32,6 +32,7 @@ from typing import List
 from ringmaster.common.elastic import SHRINK_VAR
 from ringmaster.ops import waiting
 from ringmaster.worker.runtime import current, lifecycle
+from ringmaster.worker.runtime.errors import RingmasterError
 
 log = logging.getLogger("ringmaster.elastic")
 
@@ -43,6 +44,18 @@ _exit_hook_installed = False
 def shrink_enabled() -> bool:
     """True when the elastic driver started this job to shrink in place."""
     return os.environ.get(SHRINK_VAR, "") == "1"
+
+
+def is_process_failure(error: BaseException) -> bool:
+    """True for MPI's "a process failed" / "communicator revoked" errors (ULFM), which can reach
+    the training thread before the coordinator's abort does."""
+    from mpi4py import MPI
+
+    if not isinstance(error, MPI.Exception):
+        return False
+    failures = {getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+                if hasattr(MPI, name)}
+    return error.Get_error_class() in failures
 
 
 def _communicators(runtime) -> List[object]:
@@ -63,13 +76,23 @@ def shrink_failed_runtime():
         RuntimeError: there is no failed runtime, or the shrink failed.
     """
     runtime = current.peek()
-    if runtime is None or runtime.fatal_error is None:
-        raise RuntimeError("shrink_failed_runtime() needs a runtime whose job failed")
+    if runtime is None:
+        raise RuntimeError("shrink_failed_runtime() needs a running ringmaster runtime")
     for comm in _communicators(runtime):
         try:
             comm.Revoke()
         except Exception:  # noqa: BLE001 - already revoked, or freed: nothing more to stop
             pass
+    # The coordinator closes every rank's stream once it has aborted the failed job (and, for an
+    # elastic job, waits for the survivors' new registrations): only then may this rank register.
+    receiver = getattr(runtime.client, "_receiver", None)
+    if receiver is not None:
+        receiver.join(runtime.config.heartbeat_timeout_s + 5.0)
+        if receiver.is_alive():
+            raise RuntimeError("the coordinator did not end the failed job within the heartbeat timeout + 5 s")
+    if runtime.fatal_error is None:  # MPI saw the failure, and the stream ended without an abort
+        runtime.fail(RingmasterError(f"rank {runtime.rank}: a process of the job failed (MPI)"))
+    shrink_failed_runtime.reason = runtime.fatal_error
     try:
         runtime.client.close(timeout_s=1.0)
     except Exception:  # noqa: BLE001 - the stream is already gone
