@@ -40,6 +40,9 @@ HOSTS_VERSION_VAR = "RINGMASTER_ELASTIC_HOSTS_VERSION"
 MIN_NP_VAR = "RINGMASTER_ELASTIC_MIN_NP"
 #: "1" when the job runs under ULFM and shrinks in place when a rank is lost.
 SHRINK_VAR = "RINGMASTER_ELASTIC_SHRINK"
+#: How long survivors try to shrink in place before leaving the re-form to a new mpirun.
+SHRINK_TIMEOUT_VAR = "RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S"
+DEFAULT_SHRINK_TIMEOUT_S = 5.0
 
 TOKEN_HEADER = "X-Ringmaster-Token"
 STATE_PATH = "/state"
@@ -72,6 +75,25 @@ def hosts_version(environ: Mapping[str, str]) -> int:
         return int(environ.get(HOSTS_VERSION_VAR, "0"))
     except ValueError:
         return 0
+
+
+def shrink_timeout_s(environ: Mapping[str, str]) -> float:
+    """``RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S`` (seconds > 0; default 5).
+
+    Raises:
+        ValueError: not a positive number (naming the variable and the fix).
+    """
+    text = environ.get(SHRINK_TIMEOUT_VAR, "").strip()
+    if not text:
+        return DEFAULT_SHRINK_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{SHRINK_TIMEOUT_VAR}={text!r}: give a number of seconds > 0 (default "
+                         f"{DEFAULT_SHRINK_TIMEOUT_S:g})")
+    return value
 
 
 class ServiceError(RuntimeError):

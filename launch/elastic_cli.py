@@ -12,6 +12,8 @@ import shutil
 import signal
 from typing import Mapping, Tuple
 
+from ringmaster.common.elastic import shrink_timeout_s
+
 from .elastic_driver import ElasticDriver, ElasticOptions, ulfm_available
 from .elastic_hosts import HostDiscovery
 from .errors import LaunchError
@@ -94,8 +96,16 @@ def check_elastic_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         blacklist_cooldown_s=args.blacklist_cooldown_s if args.blacklist_cooldown_s is not None else 60.0,
         discovery_interval_s=args.discovery_interval_s if args.discovery_interval_s is not None else 1.0,
         shrink_in_place=args.shrink_in_place is not False,
+        shrink_timeout_s=_shrink_timeout(environ),
     )
     return options, ",".join(str(Host(h.name, h.slots)) for h in hosts)
+
+
+def _shrink_timeout(environ: Mapping[str, str]) -> float:
+    try:
+        return shrink_timeout_s(environ)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
 
 
 def run_elastic(plan, options: ElasticOptions, forwarded_signals) -> int:

@@ -74,7 +74,7 @@ class ElasticOptions:
     discovery_interval_s: float = 1.0
     #: run mpirun under ULFM so that ranks lost on a live host are shrunk away in place
     shrink_in_place: bool = False
-    shrink_timeout_s: float = 10.0
+    shrink_timeout_s: float = protocol.DEFAULT_SHRINK_TIMEOUT_S
 
 
 @dataclasses.dataclass
@@ -346,7 +346,8 @@ class ElasticDriver:
                  "abort_seen": None, "offset": 0}
         current = {host.name for host in generation.hosts}
 
-        grace = self.options.shrink_timeout_s + 10.0 if self.options.shrink_in_place else ABORT_GRACE_S
+        # Survivors that cannot shrink leave after the shrink timeout; mpirun then gets the usual grace.
+        grace = ABORT_GRACE_S + (self.options.shrink_timeout_s if self.options.shrink_in_place else 0.0)
 
         def tick() -> bool:
             now = time.monotonic()

@@ -109,7 +109,9 @@ def test_below_min_np_ends_with_an_error_naming_the_lost_host(netns_cluster_fact
 def test_host_whose_network_stops_is_left_out_and_the_job_grows_back_when_it_returns(netns_cluster_factory,
                                                                                     tmp_path):
     """Host 3's network link goes down mid-training: its rank stops answering, the coordinator
-    names it after the heartbeat timeout, and the job re-forms on hosts 1 and 2. The link comes
+    names it after the heartbeat timeout, the survivors cannot shrink in place (MPI does not
+    learn of the loss), and ringrun re-forms the job on hosts 1 and 2 with a new mpirun from
+    the commit it holds. The link comes
     back and the discovery script (which lists all three hosts throughout) offers host 3 again
     once its cooldown is over: at the next commit the ranks re-form on 3 hosts, which receive
     the committed state, and the job finishes there, matching the one-process replay."""
@@ -120,9 +122,11 @@ def test_host_whose_network_stops_is_left_out_and_the_job_grows_back_when_it_ret
     hosts_file.write_text("".join(f"{host.name}:1\n" for host in cluster.hosts))
     command = elastic_ringrun(cluster, out, "-np", "3", "--min-np", "2", "--max-np", "3",
                               "--host-discovery-script", f"cat {hosts_file}", "--blacklist-cooldown-s", "4",
-                              "--heartbeat-timeout-s", "2", "--heartbeat-interval-s", "0.5",
+                              "--heartbeat-timeout-s", "4", "--heartbeat-interval-s", "0.5",
                               job_args=["--step-sleep", "0.15", "--epochs", "3"])
-    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+    # MPI never learns that host 3's rank is gone: the survivors give up shrinking in place after 3 s
+    environment = job_environment({"RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S": "3"})
+    with start_on(first, command, env=environment, cwd=str(ROOT)) as job:
         job.wait_for_matches(rf"STEP 0 5 rank 2 host {third.name}", count=1, timeout=60)
         third.run(["ip", "link", "set", "eth0", "down"], check=True)
         try:

@@ -11,7 +11,7 @@ and a rank of the job failed while its host's MPI daemon lives on:
    coordinator's abort).
 3. **Shrink** the job's communicator: a fault-tolerant agreement among the survivors gives a
    communicator of exactly the live ranks, in their old order. It runs on a helper thread
-   and is given ``RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S`` (default 10 s): when MPI never learns
+   and is given ``RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S`` (default 5 s): when MPI never learns
    of the failure (a host whose network stopped), this process exits and the elastic driver
    re-forms the job with a new ``mpirun`` instead.
 
@@ -29,14 +29,12 @@ import sys
 import threading
 from typing import List
 
-from ringmaster.common.elastic import SHRINK_VAR
+from ringmaster.common.elastic import SHRINK_TIMEOUT_VAR, SHRINK_VAR, shrink_timeout_s
 from ringmaster.ops import waiting
 from ringmaster.worker.runtime import current, lifecycle
 from ringmaster.worker.runtime.errors import RingmasterError
 
 log = logging.getLogger("ringmaster.elastic")
-
-SHRINK_TIMEOUT_VAR = "RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S"
 
 _exit_hook_installed = False
 
@@ -109,7 +107,7 @@ def shrink_failed_runtime():
         except Exception as error:  # noqa: BLE001 - reported to the caller
             result["error"] = error
 
-    timeout = float(os.environ.get(SHRINK_TIMEOUT_VAR, "10"))
+    timeout = shrink_timeout_s(os.environ)
     helper = threading.Thread(target=shrink, name="ringmaster-shrink", daemon=True)
     helper.start()
     helper.join(timeout)
