@@ -213,3 +213,64 @@ def test_torch_state_saves_restores_and_round_trips_through_a_snapshot(monkeypat
     fresh.register_reset_callbacks([lambda: calls.append("reset")])
     fresh.on_reset()
     assert calls == ["reset"]
+
+
+# ------------------------------------------------------------------ the coordinator of a job that shrinks in place
+@pytest.mark.timeout(60)
+def test_elastic_coordinator_aborts_then_serves_the_survivors_as_a_smaller_job():
+    """After rank 2 of 3 disconnects, the survivors get the abort naming it (as in any job);
+    then the same coordinator welcomes them again as a job of 2 (the size of their new
+    registrations), negotiates for 2 ranks, and reports both events."""
+    from test_coordinator_server import SECRET, FakeRank
+
+    from ringmaster.common.config import Config
+    from ringmaster.coordinator.server import Coordinator
+    from ringmaster.proto import ringmaster_pb2 as pb
+
+    events = []
+    server = Coordinator(3, SECRET, Config(heartbeat_timeout_s=5, start_timeout_s=5), "127.0.0.1", 0,
+                         elastic=True).start()
+    server.on_abort = lambda kind, reason, rank, host: events.append(("abort", kind, rank))
+    server.on_welcome = lambda size: events.append(("welcome", size))
+    try:
+        ranks = [FakeRank(server.address, r, size=3) for r in range(3)]
+        assert all(rank.next().WhichOneof("kind") == "welcome" for rank in ranks)
+        ranks[2].close()
+        for rank in ranks[:2]:
+            message = rank.next()
+            assert message.WhichOneof("kind") == "abort" and message.abort.failed_rank == 2
+            rank.close()
+        survivors = [FakeRank(server.address, r, size=2) for r in range(2)]
+        welcomes = [rank.next() for rank in survivors]
+        assert all(w.WhichOneof("kind") == "welcome" and w.welcome.size == 2 for w in welcomes), welcomes
+        request = pb.TensorRequest(name="t", op_type=pb.ALLREDUCE, dtype="float32", shape=[3], device="cpu",
+                                   prescale_factor=1, postscale_factor=1)
+        for rank in survivors:
+            rank.declare(request)
+        lists = [rank.next().responses for rank in survivors]
+        assert lists[0] == lists[1] and lists[0].sequence == 1
+        assert events == [("welcome", 3), ("abort", pb.RANK_FAILED, 2), ("welcome", 2)]
+        assert not server.finished.is_set()
+        for rank in survivors:
+            rank.close()
+    finally:
+        server.stop(grace=0)
+
+
+def test_the_driver_reads_the_coordinators_report_line_by_line_and_finds_ulfm(tmp_path):
+    from ringmaster.launch.elastic_driver import read_events, ulfm_available
+    from ringmaster.launch.mpi_command import find_mpirun
+
+    report = tmp_path / "report"
+    report.write_text('{"event": "abort", "failed_rank": 2}\n{"event": "welc')
+    events, offset = read_events(str(report), 0)
+    assert events == [{"event": "abort", "failed_rank": 2}]
+    with open(report, "a") as handle:
+        handle.write('ome", "size": 2}\n')
+    assert read_events(str(report), offset)[0] == [{"event": "welcome", "size": 2}]
+    assert read_events(str(tmp_path / "none"), 0) == ([], 0)
+    ompi_info = subprocess.run([os.path.join(os.path.dirname(find_mpirun()), "ompi_info")], capture_output=True,
+                               text=True).stdout
+    assert ulfm_available(find_mpirun()) == ("FT MPI support: yes" in ompi_info)
+    with pytest.raises(ValueError, match="RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S='-1': give a number of seconds > 0"):
+        protocol.shrink_timeout_s({"RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S": "-1"})
