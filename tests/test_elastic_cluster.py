@@ -69,6 +69,7 @@ def test_killing_every_rank_of_a_host_shrinks_the_job_in_place_matching_the_repl
         killed_at = time.monotonic()
         job.wait_for_matches(r"RESET size 2", count=2, timeout=40)
         reset_after = time.monotonic() - killed_at
+        print(f"the survivors went on {reset_after:.2f} s after the kill")
         returncode = job.wait(timeout=60)
     assert returncode == 0, job.output[-4000:]
     assert re.search(rf"lost rank 2 on host {re.escape(third.name)} .*the other ranks shrank the job in place to "
