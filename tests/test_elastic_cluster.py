@@ -43,43 +43,50 @@ def assert_matches_replay(out: Path):
 
 
 def kill_ranks_on(host) -> list:
-    """SIGKILL every rank of the job (the python processes running the job script) on ``host``."""
-    pids = [pid for pid, line in host.processes().items() if str(JOB) in line and "ringmaster.launch" not in line]
+    """SIGKILL every rank of the job on ``host``: the python processes running the job script
+    (not ringrun or mpirun, whose command lines name it too)."""
+    pids = [pid for pid, line in host.processes().items() if line.split()[1:2] == [str(JOB)]]
     assert pids, host.processes()
     host.run([sys.executable, "-c", f"import os; [os.kill(p, 9) for p in {pids}]"], check=True)
     return pids
 
 
 @pytest.mark.timeout(120)
-def test_killing_every_rank_of_a_host_shrinks_the_job_in_place_matching_the_replay(netns_cluster_factory, tmp_path):
+def test_lost_ranks_are_shrunk_away_in_place_rank_0_too_matching_the_replay(netns_cluster_factory, tmp_path):
     """SIGKILL of the ranks on host 3 mid-training (its MPI daemon lives on): the ranks on
-    hosts 1 and 2, the same processes, shrink the job in place (ULFM) within seconds, go on
-    from the last commit after the reset callbacks (a log line names host 3), and finish;
-    the final parameters equal the one-process replay of the job's (world size, batches)
-    record, which holds steps on 3 ranks then on 2."""
+    hosts 1 and 2, the same processes, shrink the job in place (ULFM) within seconds and go
+    on from the last commit after the reset callbacks, a log line naming host 3. Then rank 0
+    (on host 1, where ringrun and the coordinator stay) is killed: host 2's rank goes on
+    alone as the new rank 0. The job finishes, and its final parameters equal the
+    one-process replay of its (world size, batches) record: steps on 3, 2, then 1 rank."""
     cluster = netns_cluster_factory(3)
-    first, _, third = cluster.hosts
+    first, second, third = cluster.hosts
     out = tmp_path / "final.pt"
-    command = elastic_ringrun(cluster, out, "-np", "3", "--min-np", "2", "-H", cluster.hosts_arg(1),
+    command = elastic_ringrun(cluster, out, "-np", "3", "--min-np", "1", "-H", cluster.hosts_arg(1),
                               job_args=["--step-sleep", "0.1"])
     with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
-        before = job.wait_for_matches(rf"STEP 0 5 rank \d host (\S+) pid (\d+)", count=1, timeout=60)
         job.wait_for_matches(rf"STEP 0 5 rank 2 host {third.name}", count=1, timeout=60)
         kill_ranks_on(third)
         killed_at = time.monotonic()
         job.wait_for_matches(r"RESET size 2", count=2, timeout=40)
         reset_after = time.monotonic() - killed_at
         print(f"the survivors went on {reset_after:.2f} s after the kill")
+        job.wait_for_matches(rf"STEP 0 1[0-9] rank 0 host {first.name}", count=1, timeout=40)
+        kill_ranks_on(first)
+        job.wait_for_matches(r"RESET size 1", count=1, timeout=40)
         returncode = job.wait(timeout=60)
     assert returncode == 0, job.output[-4000:]
-    assert re.search(rf"lost rank 2 on host {re.escape(third.name)} .*the other ranks shrank the job in place to "
-                     rf"2 rank\(s\)", job.output), job.output[-4000:]
-    steps = re.findall(r"STEP (\d+) \d+ rank \d host (\S+) pid (\d+)", job.stdout)
-    pids = {(host, pid) for generation, host, pid in steps if host != third.name}
-    assert {generation for generation, _, _ in steps} == {"0"} and len(pids) == 2, (pids, before)
+    for host, size in ((third, 2), (first, 1)):
+        assert re.search(rf"lost rank \d on host {re.escape(host.name)} .*the other ranks shrank the job in place "
+                         rf"to {size} rank\(s\)", job.output), job.output[-4000:]
+    steps = re.findall(r"STEP (\d+) \d+ rank (\d) host (\S+) pid (\d+)", job.stdout)
+    assert {generation for generation, _, _, _ in steps} == {"0"}, "a new mpirun was started"
+    assert len({pid for _, _, host, pid in steps if host == second.name}) == 1  # the same process throughout
+    assert steps[-1][1:3] == ("0", second.name), steps[-1]
     record = assert_matches_replay(out)
     sizes = [size for size, _ in record["history"]]
-    assert sizes[0] == 3 and sizes[-1] == 2 and record["resets"] == 1, sizes
+    changes = [size for index, size in enumerate(sizes) if index == 0 or sizes[index - 1] != size]
+    assert changes == [3, 2, 1] and record["resets"] == 2, sizes
     assert reset_after < 10, f"the job took {reset_after:.1f} s to shrink"
     assert wait_for_no_processes(cluster) == {}
 
