@@ -274,3 +274,22 @@ def test_the_driver_reads_the_coordinators_report_line_by_line_and_finds_ulfm(tm
     assert ulfm_available(find_mpirun()) == ("FT MPI support: yes" in ompi_info)
     with pytest.raises(ValueError, match="RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S='-1': give a number of seconds > 0"):
         protocol.shrink_timeout_s({"RINGMASTER_ELASTIC_SHRINK_TIMEOUT_S": "-1"})
+
+
+def test_reset_limit_and_below_min_np_messages_name_the_limit_and_the_lost_hosts():
+    from types import SimpleNamespace
+
+    from ringmaster.launch.elastic_driver import ElasticDriver, ElasticOptions
+
+    options = ElasticOptions(min_np=3, max_np=3, discovery=HostDiscovery(None, [Host("a", 1), Host("b", 1)]),
+                             reset_limit=1, blacklist_cooldown_s=30)
+    driver = ElasticDriver(SimpleNamespace(num_proc=3), options, "secret", "/nonexistent")
+    assert driver._count_reset("rank 2 was lost") is None
+    assert driver._count_reset("rank 1 was lost") == ("the job was re-formed 1 times (--reset-limit 1) and needs it "
+                                                      "again because rank 1 was lost; giving up")
+    driver.blacklist.add("c", "rank 2 failed")
+    driver.lost.append("c")
+    with pytest.raises(LaunchError) as error:
+        driver._choose_hosts([Host("a", 1), Host("b", 1), Host("c", 1)], first=False)
+    assert str(error.value).startswith("only 2 slot(s) left, below --min-np 3; lost hosts: c (rank 2 failed; "
+                                       "failed 1x, left out for 30 s more); the host list is fixed")
