@@ -456,6 +456,10 @@ class ElasticDriver:
     def _shrunk(self, generation: Generation, size: int, current: set) -> bool:
         """The survivors shrank the job in place: blame the host, log, count; False past --reset-limit."""
         abort = next((e for e in reversed(generation.events) if e.get("event") == "abort"), None)
+        if size >= generation.num_proc:  # every rank came back: a slow rank, not a lost one
+            self._say(f"all {size} ranks registered again after the coordinator's abort "
+                      f"({abort['reason'] if abort else 'no reason given'}): no rank was lost")
+            return True
         generation.shrinks += 1
         what = "a rank was lost"
         if abort is not None and abort.get("failed_host"):
