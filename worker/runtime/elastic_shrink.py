@@ -5,7 +5,7 @@ User-Level Failure Mitigation (``mpirun --with-ft ulfm`` over TCP; ``RINGMASTER_
 and a rank of the job failed while its host's MPI daemon lives on:
 
 1. **Revoke** every communicator of the failed runtime (the job's, the process sets', the
-   gradient plans'): operations pending on them, on any thread, fail at once with
+   gradient plans', any other part's): operations pending on them, on any thread, fail at once with
    ``MPI_ERR_REVOKED``, so the background thread and the plans' threads stop.
 2. Stop the runtime without waiting on MPI (the coordinator stream was already closed by the
    coordinator's abort).
@@ -57,11 +57,34 @@ def is_process_failure(error: BaseException) -> bool:
 
 
 def _communicators(runtime) -> List[object]:
-    executor = runtime.executor
-    comms = [runtime.comm]
-    comms += [group.comm for set_id, group in getattr(executor, "_sets", {}).items() if set_id != 0]
-    comms += [plan.comm for plan in getattr(executor, "_attached_plans", []) if getattr(plan, "comm", None)]
-    return comms
+    """Every MPI communicator the runtime holds: the job's, the process sets', the gradient
+    plans', and those of any other part of the runtime (found by walking its objects, so a
+    part added later is covered too), without MPI's predefined ones."""
+    from mpi4py import MPI
+
+    found = {}
+    predefined = (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL)
+
+    def visit(value, depth: int) -> None:
+        if isinstance(value, MPI.Comm):
+            if not any(value == other for other in predefined):
+                found[id(value)] = value
+            return
+        if depth == 0:
+            return
+        if isinstance(value, dict):
+            items = list(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            items = list(value)
+        elif type(value).__module__.startswith("ringmaster.") and hasattr(value, "__dict__"):
+            items = list(vars(value).values())
+        else:
+            return
+        for item in items:
+            visit(item, depth - 1)
+
+    visit(runtime, 4)  # runtime -> executor -> its sets -> a set -> its communicator
+    return list(found.values())
 
 
 def shrink_failed_runtime():
