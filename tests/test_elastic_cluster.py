@@ -91,17 +91,33 @@ def test_lost_ranks_are_shrunk_away_in_place_rank_0_too_matching_the_replay(netn
     assert wait_for_no_processes(cluster) == {}
 
 
+def horovod_elastic_script(tmp_path: Path) -> Path:
+    """tests/jobs/horovod_elastic_script.py with its import line changed to ringmaster, and nothing else."""
+    source = (Path(JOBS_DIR) / "horovod_elastic_script.py").read_text()
+    assert source.count("import horovod.torch as hvd\n") == 1
+    script = tmp_path / "horovod_elastic_script.py"
+    script.write_text(source.replace("import horovod.torch as hvd\n", "import ringmaster as hvd\n"))
+    return script
+
+
 @pytest.mark.timeout(60)
-def test_below_min_np_ends_with_an_error_naming_the_lost_host(netns_cluster_factory, tmp_path):
-    """With --min-np 3 on 3 hosts, losing host 3's rank ends the job within 10 s, with an error
-    naming host 3 and --min-np, and nothing left running."""
+def test_horovod_elastic_script_runs_then_below_min_np_ends_with_an_error_naming_the_lost_host(
+        netns_cluster_factory, tmp_path):
+    """A script written for Horovod's elastic API, with only its import changed, trains on 3
+    hosts under an elastic ringrun, each epoch covering every example once (ElasticSampler,
+    record_batch). With --min-np 3, losing host 3's rank then ends the job within 10 s, with
+    an error naming host 3 and --min-np, and nothing left running."""
     cluster = netns_cluster_factory(3)
     first, _, third = cluster.hosts
-    command = elastic_ringrun(cluster, tmp_path / "final.pt", "-np", "3", "--min-np", "3", "-H",
-                              cluster.hosts_arg(1), job_args=["--step-sleep", "0.2", "--epochs", "50"])
+    script = horovod_elastic_script(tmp_path)
+    command = [sys.executable, "-m", "ringmaster.launch", "--ssh-identity-file", cluster.key, "--network-interface",
+               cluster.interface, "--start-timeout", "20", "-np", "3", "--min-np", "3", "-H", cluster.hosts_arg(1),
+               sys.executable, str(script), "--epochs", "100", "--step-sleep", "0.05"]
     with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
-        job.wait_for_matches(rf"STEP 0 2 rank 2 host {third.name}", count=1, timeout=60)
-        kill_ranks_on(third)
+        job.wait_for_matches(r"EPOCH 0 processed 192 of 192", count=1, timeout=60)
+        pids = [pid for pid, line in third.processes().items() if line.split()[1:2] == [str(script)]]
+        assert pids, third.processes()
+        third.run([sys.executable, "-c", f"import os; [os.kill(p, 9) for p in {pids}]"], check=True)
         killed_at = time.monotonic()
         returncode = job.wait(timeout=30)
         elapsed = time.monotonic() - killed_at
