@@ -132,13 +132,13 @@ def test_horovod_elastic_script_runs_then_below_min_np_ends_with_an_error_naming
 @pytest.mark.timeout(150)
 def test_host_whose_network_stops_is_left_out_and_the_job_grows_back_when_it_returns(netns_cluster_factory,
                                                                                     tmp_path):
-    """Host 3's network link goes down mid-training: its rank stops answering, the coordinator
-    names it after the heartbeat timeout, the survivors cannot shrink in place (MPI does not
-    learn of the loss), and ringrun re-forms the job on hosts 1 and 2 with a new mpirun from
-    the commit it holds. The link comes
-    back and the discovery script (which lists all three hosts throughout) offers host 3 again
-    once its cooldown is over: at the next commit the ranks re-form on 3 hosts, which receive
-    the committed state, and the job finishes there, matching the one-process replay."""
+    """Host 3's network link goes down mid-training (and the discovery script stops listing
+    it): its rank stops answering, the coordinator names it after the heartbeat timeout, the
+    survivors cannot shrink in place (MPI does not learn of the loss), and ringrun re-forms
+    the job on hosts 1 and 2 with a new mpirun from the commit it holds. The link comes back
+    and the discovery script lists host 3 again: once its cooldown is over, at the next commit
+    the ranks re-form on 3 hosts, the new one receiving the committed state by broadcast, and
+    the job finishes there, matching the one-process replay."""
     cluster = netns_cluster_factory(3)
     first, _, third = cluster.hosts
     out = tmp_path / "final.pt"
@@ -153,10 +153,12 @@ def test_host_whose_network_stops_is_left_out_and_the_job_grows_back_when_it_ret
     with start_on(first, command, env=environment, cwd=str(ROOT)) as job:
         job.wait_for_matches(rf"STEP 0 5 rank 2 host {third.name}", count=1, timeout=60)
         third.run(["ip", "link", "set", "eth0", "down"], check=True)
+        hosts_file.write_text("".join(f"{host.name}:1\n" for host in cluster.hosts[:2]))
         try:
             job.wait_for_matches(r"RESET size 2", count=2, timeout=40)
         finally:
             third.run(["ip", "link", "set", "eth0", "up"], check=True)
+        hosts_file.write_text("".join(f"{host.name}:1\n" for host in cluster.hosts))
         job.wait_for_matches(r"RESET size 3", count=3, timeout=60)
         returncode = job.wait(timeout=60)
     assert returncode == 0, job.output[-4000:]
