@@ -19,6 +19,7 @@ path                        method   meaning
 :data:`REFORM_PATH`         GET      the driver: ``1`` if that was asked in this generation
 :data:`HOSTS_PATH`          POST     the driver: hosts changed, bump the version
 :data:`NEW_GENERATION_PATH` POST     the driver: a new generation starts
+:data:`COMMITS_PATH`        GET      how many snapshots were stored so far
 ==========================  =======  ===================================================
 
 This module is shared by launcher and ranks: no torch, no MPI.
@@ -50,6 +51,8 @@ HOSTS_PATH = "/hosts"
 REFORM_PATH = "/reform"
 #: The driver only: forget the last generation's re-form request.
 NEW_GENERATION_PATH = "/generation"
+#: How many snapshots were stored so far, as decimal text (without fetching the last one).
+COMMITS_PATH = "/commits"
 
 #: The largest snapshot the service accepts (bytes); a bigger PUT is refused with 413.
 MAX_SNAPSHOT_BYTES = 16 * 1024 ** 3
@@ -145,6 +148,10 @@ class ServiceClient:
     def get_state(self) -> Optional[bytes]:
         """The last committed snapshot, or ``None`` before the first commit."""
         return self._call("GET", STATE_PATH, missing_ok=True)
+
+    def commits(self) -> int:
+        """How many snapshots were stored so far."""
+        return int(self._call("GET", COMMITS_PATH))
 
     def hosts_version(self) -> int:
         """The current host-set version."""

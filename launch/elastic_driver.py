@@ -303,13 +303,13 @@ class ElasticDriver:
         self.resets += 1
         limit = self.options.reset_limit
         if limit is not None and self.resets > limit:
-            return (f"the job was re-formed {limit} times (--reset-limit {limit}) and needs it again because "
+            return (f"the job was re-formed {limit} time(s) (--reset-limit {limit}) and needs it again because "
                     f"{why}; giving up")
         return None
 
     def _has_commit(self) -> bool:
         try:
-            return self._service.get_state() is not None
+            return self._service.commits() > 0
         except protocol.ServiceError:
             return False
 
@@ -318,8 +318,17 @@ class ElasticDriver:
         print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ hosts
+    _last_discovered: Optional[List[Host]] = None
+
     def _discover(self) -> List[Host]:
-        return self.options.discovery.discover()
+        """The discovered hosts; once the job runs, a failing script keeps the last answer (with a warning)."""
+        try:
+            self._last_discovered = self.options.discovery.discover()
+        except LaunchError as error:
+            if self._last_discovered is None:
+                raise
+            self._say(f"{error}; keeping the hosts it printed last")
+        return list(self._last_discovered)
 
     def _choose_hosts(self, previous: Sequence[Host], first: bool) -> Tuple[List[Host], int]:
         """Wait (bounded) until at least ``--min-np`` slots are usable; return hosts and size
@@ -374,11 +383,7 @@ class ElasticDriver:
             if state["announced"] or now < state["next_poll"] or self.options.discovery.script is None:
                 return False
             state["next_poll"] = now + self.options.discovery_interval_s
-            try:
-                usable = self.blacklist.usable(self._discover())
-            except LaunchError as error:
-                self._say(f"{error}; keeping the current hosts")
-                return False
+            usable = self.blacklist.usable(self._discover())
             names = {host.name for host in usable}
             added = [h for h in usable if h.name not in current]
             removed = sorted(current - names)

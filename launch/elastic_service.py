@@ -80,6 +80,8 @@ class StateService:
                     self._reply(200, str(service.hosts_version).encode())
                 elif self.path == protocol.REFORM_PATH:
                     self._reply(200, b"1" if service.reform_requested else b"0")
+                elif self.path == protocol.COMMITS_PATH:
+                    self._reply(200, str(service.snapshot_info()[0]).encode())
                 else:
                     self._reply(404)
 

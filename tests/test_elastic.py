@@ -118,8 +118,10 @@ def test_state_service_keeps_the_last_snapshot_and_refuses_calls_without_the_tok
     client = protocol.ServiceClient(address, secret, timeout_s=5)
     assert client.get_state() is None
     assert client.hosts_version() == 0 and not client.reform_requested()
+    assert client.commits() == 0
     client.put_state(b"first")
     client.put_state(b"x" * 3_000_000)
+    assert client.commits() == 2
     assert client.get_state() == b"x" * 3_000_000
     assert client.announce_hosts_changed() == 1 and client.hosts_version() == 1
     client.request_reform()
@@ -285,7 +287,7 @@ def test_reset_limit_and_below_min_np_messages_name_the_limit_and_the_lost_hosts
                              reset_limit=1, blacklist_cooldown_s=30)
     driver = ElasticDriver(SimpleNamespace(num_proc=3), options, "secret", "/nonexistent")
     assert driver._count_reset("rank 2 was lost") is None
-    assert driver._count_reset("rank 1 was lost") == ("the job was re-formed 1 times (--reset-limit 1) and needs it "
+    assert driver._count_reset("rank 1 was lost") == ("the job was re-formed 1 time(s) (--reset-limit 1) and needs it "
                                                       "again because rank 1 was lost; giving up")
     driver.blacklist.add("c", "rank 2 failed")
     driver.lost.append("c")
