@@ -107,7 +107,8 @@ def main() -> int:
                 optimizer.step()
                 sampler.record_indices(batch)
                 state.history.append((rm.size(), rm.allgather_object(batch)))
-                print(f"STEP {generation} {len(state.history)} rank {rm.rank()} host {host} pid {os.getpid()}", flush=True)
+                print(f"STEP {generation} {len(state.history)} rank {rm.rank()} host {host} pid {os.getpid()}",
+                      flush=True)
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
                 if (number + 1) % args.commit_every == 0:
