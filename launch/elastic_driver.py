@@ -22,7 +22,7 @@ Algorithm (one loop in ringrun's main thread, which stays single-threaded):
    coordinator's report (``--report-file``, one JSON line per abort and per complete
    registration): an abort followed by a registration means the survivors shrank the job in
    place (:mod:`ringmaster.worker.runtime.elastic_shrink`): blacklist the failed host, count a
-   re-form, go on; an abort not followed by one within the grace (5 s, plus the shrink timeout
+   re-form, go on; an abort not followed by one within the grace (3 s, plus the shrink timeout
    under ULFM) means ``mpirun`` hangs (an unreachable host's daemon): kill it.
 4. When ``mpirun`` ends: the ranks asked to re-form → next generation; status 0 → done;
    otherwise the coordinator's last abort names the rank and host that failed: that host is
@@ -62,7 +62,7 @@ from .processes import die_with_parent, signal_session
 
 PREFIX = "ringrun: elastic:"
 #: Seconds mpirun gets to end once its coordinator aborted the generation.
-ABORT_GRACE_S = 5.0
+ABORT_GRACE_S = 3.0
 SERVICE_MODULE = "ringmaster.launch.elastic_service"
 
 
