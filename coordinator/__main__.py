@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 
 from ringmaster.common.config import ConfigError, load_config
 from ringmaster.coordinator.server import Coordinator
@@ -31,7 +33,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="exit when standard input closes (the parent that started us died)")
     parser.add_argument("--persistent", action="store_true",
                         help="after all ranks shut down, wait for the job's next init() instead of exiting")
+    parser.add_argument("--report-file",
+                        help="append one JSON line per abort (event 'abort': kind, reason, failed_rank, "
+                             "failed_host) and per complete registration (event 'welcome': size): an elastic "
+                             "ringrun reads it to leave failed hosts out")
+    parser.add_argument("--elastic", action="store_true",
+                        help="after a rank failed, wait for the survivors to register again as a smaller job")
     return parser.parse_args(argv)
+
+
+def append_report(path: str, event: dict) -> None:
+    """Append ``event`` as one JSON line (one write: a reader sees whole lines)."""
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(event) + "\n")
+
+
+def report_abort(path: str, kind: int, reason: str, failed_rank: int, failed_host: str) -> None:
+    """The job (or, for an elastic job, its current size) was aborted: what failed."""
+    from ringmaster.proto import ringmaster_pb2 as pb
+
+    append_report(path, {"event": "abort", "time": time.time(),
+                         "kind": pb.ErrorKind.Name(kind) if kind in pb.ErrorKind.values() else str(kind),
+                         "reason": reason, "failed_rank": failed_rank, "failed_host": failed_host})
 
 
 def write_address(path: str, address: str) -> None:
@@ -67,10 +90,14 @@ def main(argv=None) -> int:
         return 2
     try:
         coordinator = Coordinator(args.size, config.secret, config, args.bind, args.port,
-                                  persistent=args.persistent).start()
+                                  persistent=args.persistent, elastic=args.elastic).start()
     except OSError as error:
         print(f"ringmaster coordinator: error: cannot listen on {args.bind}:{args.port}: {error}", file=sys.stderr)
         return 1
+    if args.report_file:
+        coordinator.on_abort = lambda *abort: report_abort(args.report_file, *abort)
+        coordinator.on_welcome = lambda size: append_report(
+            args.report_file, {"event": "welcome", "time": time.time(), "size": size})
     advertised = f"{args.advertise or args.bind}:{coordinator.port}"
     if args.address_file:
         write_address(args.address_file, advertised)

@@ -61,10 +61,13 @@ class Coordinator:
         port: port to listen on (0: any free port; read :attr:`port` after :meth:`start`).
         persistent: after every rank said goodbye, wait for the job's next ``init()``
             instead of finishing (``ringrun``'s daemon, for ``init`` after ``shutdown``).
+        elastic: after a rank failed, tell every rank (as always), then wait for the survivors
+            to register again as a smaller job (an elastic job shrinking in place: the size is
+            taken from the first new registration) instead of finishing.
     """
 
     def __init__(self, size: int, secret: str, config: Config, bind_host: str = "127.0.0.1",
-                 port: int = 0, persistent: bool = False):
+                 port: int = 0, persistent: bool = False, elastic: bool = False):
         if size < 1:
             raise ValueError(f"job size must be >= 1, got {size}")
         self.size = size
@@ -90,6 +93,13 @@ class Coordinator:
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._serve, name="ringmaster-coordinator", daemon=True)
+        #: called as ``on_abort(kind, reason, failed_rank, failed_host)`` when the job is aborted
+        #: (an elastic ringrun learns from it which host failed: ``--report-file``)
+        self.on_abort = None
+        #: called as ``on_welcome(size)`` each time every rank of a job (or of a shrunk job) registered
+        self.on_welcome = None
+        self.elastic = elastic
+        self._adopt_size = False
 
     @property
     def address(self) -> str:
@@ -235,6 +245,8 @@ class Coordinator:
         who = (f"a stream from {session.peer} registering as rank {register.rank} (host "
                f"{shown(register.hostname)}, pid {register.pid}, a job of {register.size} ranks)")
         problem = register_problem(register)
+        if self._adopt_size and problem is None and not self._sessions and register.size >= 1:
+            self._adopt(register.size)
         holder = self._sessions.get(register.rank)
         if problem is not None:
             why = f"its registration has {problem.describe()}"
@@ -263,6 +275,8 @@ class Coordinator:
                 welcome.ranks.add(rank=rank, hostname=s.hostname, pid=s.pid)
             self._welcomed = True
             self._broadcast(pb.CoordinatorMessage(welcome=welcome))
+            if self.on_welcome is not None:
+                self.on_welcome(self.size)
 
     def on_disconnect(self, session: RankSession) -> None:
         """A stream ended: fine after a goodbye or for a stream the job does not need, else the rank failed."""
@@ -338,6 +352,8 @@ class Coordinator:
                    stalled_ranks: Sequence[int] = ()) -> None:
         """Tell every rank the job cannot go on, then finish."""
         log.error("aborting the job: %s", reason)
+        if self.on_abort is not None:
+            self.on_abort(kind, reason, failed_rank, failed_host)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=failed_rank,
                                                      failed_host=failed_host, stalled_ranks=stalled_ranks))
         size = abort.ByteSize()
@@ -346,8 +362,33 @@ class Coordinator:
             session.gone = True
             session.close()
         self._sessions.clear()
+        if self.elastic and kind == pb.RANK_FAILED:
+            self._await_survivors()
+            return
         self.exit_code = 1
         self._finish()
+
+    def _await_survivors(self) -> None:
+        """An elastic job lost a rank: the survivors shrink their communicator and register again."""
+        log.info("waiting for the surviving ranks to register again as a smaller job")
+        self._adopt_size = True
+        self._new_generation()
+
+    def _adopt(self, size: int) -> None:
+        log.info("the job goes on with %d ranks", size)
+        self.size = size
+        self._adopt_size = False
+        self._negotiator = self._new_negotiator()
+
+    def _new_generation(self) -> None:
+        if self._flush_scheduled is not None:
+            self._flush_scheduled.cancel()
+            self._flush_scheduled = None
+        self._negotiator = self._new_negotiator()
+        self._plan_stalls = self._new_plan_stalls()
+        self._sequence = 0
+        self._welcomed = False
+        self._generation_started = time.monotonic()
 
     # -------------------------------------------------------------- health
     async def _housekeeping(self) -> None:

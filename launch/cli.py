@@ -28,6 +28,7 @@ from .command import check_command, normalize_command
 from .coordinator_process import CoordinatorProcess
 from .environment import (base_environment, coordinator_environment, exported_names, job_environment,
                           tuning_environment, validated_config)
+from .elastic_cli import add_elastic_arguments, check_elastic_args, elastic_requested, run_elastic
 from .errors import LaunchError
 from .hosts import Host, all_local, check_slots, resolve_hosts, total_slots
 from .job import FORWARDED_SIGNALS, MpiJob
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     network.add_argument("--mpi-args", metavar="ARGS",
                          help='extra mpirun arguments (shell-quoted), e.g. --mpi-args="--mca btl tcp,self"')
 
+    add_elastic_arguments(parser, _number)
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND", help=argparse.SUPPRESS)
     return parser
 
@@ -160,7 +162,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``ringrun``; returns the exit status."""
     previous = {signum: signal.signal(signum, _raise_interrupted) for signum in FORWARDED_SIGNALS}
     try:
-        return run_job(plan_job(parse_args(argv), os.environ))
+        args = parse_args(argv)
+        if elastic_requested(args):  # ringrun's elastic driver (docs/elastic.md)
+            options, args.hosts = check_elastic_args(args, os.environ)
+            args.hostfile = None
+            return run_elastic(plan_job(args, os.environ), options, FORWARDED_SIGNALS)
+        return run_job(plan_job(args, os.environ))
     except LaunchError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return error.exit_code

@@ -44,7 +44,7 @@ __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "RingmasterError", "TensorMismatchError", "RankFailedError", "StalledTensorError",
     "CoordinatorUnreachableError", "NotInitializedError", "HorovodInternalError",
-    "SyncBatchNorm", "start_timeline", "stop_timeline", "bytes_sent", "parallel",
+    "SyncBatchNorm", "start_timeline", "stop_timeline", "bytes_sent", "parallel", "elastic",
 ]
 
 

@@ -19,7 +19,8 @@ CONFIG_SOURCE = ROOT / "common" / "config.py"
 
 #: A documented callable: `rm.name(...)`, `rm.parallel.name(...)`, `ProcessSet.name(...)`,
 #: `optimizer.name(...)`, `HybridParallel.name(...)`, ...
-SIGNATURE = re.compile(r"^(rm\.parallel|rm|ProcessSet|optimizer|Compressor|HybridParallel)\.(\w+)\((.*)\)$")
+SIGNATURE = re.compile(r"^(rm\.parallel|rm\.elastic|rm|ProcessSet|optimizer|Compressor|HybridParallel|State|"
+                       r"ElasticSampler)\.(\w+)\((.*)\)$")
 
 
 def _public_names() -> list:
@@ -113,6 +114,9 @@ def _resolve(prefix: str, name: str, rm):
         "Compressor": rm.Compressor,
         "rm.parallel": rm.parallel,
         "HybridParallel": rm.parallel.HybridParallel,
+        "rm.elastic": rm.elastic,
+        "State": rm.elastic.State,
+        "ElasticSampler": rm.elastic.ElasticSampler,
         # the methods DistributedOptimizer adds to the optimizer it returns
         "optimizer": importlib.import_module("ringmaster.worker.frontend.optimizer")._DistributedOptimizer,
     }
@@ -126,7 +130,8 @@ def _signature_problems(span: str, rm, namespace: dict) -> list:
     except AttributeError:
         return [f"`{span}`: {prefix}.{name} does not exist"]
     actual = list(inspect.signature(target).parameters.values())
-    if prefix in ("ProcessSet", "optimizer", "HybridParallel") and actual and actual[0].name == "self":
+    methods = ("ProcessSet", "optimizer", "HybridParallel", "State", "ElasticSampler")
+    if prefix in methods and actual and actual[0].name == "self":
         actual = actual[1:]
     try:
         documented = _documented_parameters(text)

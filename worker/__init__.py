@@ -30,7 +30,7 @@ from ringmaster.worker.frontend.differentiable import (allgather, allreduce, all
                                                        grouped_allreduce, grouped_reducescatter, reducescatter)
 from ringmaster.worker.frontend.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                                   broadcast_parameters)
-from ringmaster.worker.frontend import parallel
+from ringmaster.worker.frontend import elastic, parallel
 from ringmaster.worker.frontend.optimizer import DistributedOptimizer
 from ringmaster.worker.frontend.sparse import sparse_allreduce_async
 from ringmaster.worker.frontend.sync_batch_norm import SyncBatchNorm
