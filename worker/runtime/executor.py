@@ -133,12 +133,15 @@ class Executor:
         self._plans: Dict[tuple, object] = {}
         self._attached_plans: List[object] = []  # plans given a communicator of their own, to free at the end
         self._stopping = False
+        #: The autotuner (RINGMASTER_AUTOTUNE), set by the runtime before start(); see worker/runtime/autotune.py.
+        self.autotune = None
         self._thread = threading.Thread(target=self._run, name="ringmaster-background", daemon=True)
         self._run_response = {
             pb.ALLREDUCE: self._allreduce, pb.ALLGATHER: self._allgather, pb.BROADCAST: self._broadcast,
             pb.ALLTOALL: self._alltoall, pb.REDUCESCATTER: self._reducescatter,
             pb.BARRIER: self._barrier, pb.JOIN: self._join,
             pb.PROCESS_SET_ADD: self._add_process_set, pb.PROCESS_SET_REMOVE: self._remove_process_set,
+            pb.AUTOTUNE: self._autotune,
         }
 
     def start(self) -> None:
@@ -228,6 +231,8 @@ class Executor:
                     self._fail(response, failure)
                     self._on_fatal(failure)
                     return
+            if self.autotune is not None and self.autotune.active:
+                self.autotune.observe(item)
 
     def _execute(self, response: pb.Response) -> None:
         if response.error_kind != pb.NO_ERROR:
@@ -362,7 +367,7 @@ class Executor:
         array, reduction = flat_array(flat), OPS_REDUCTION[response.reduce_op]
         recording = timeline.active()
         if recording is not None:
-            algorithm = self.algorithm
+            algorithm = self._algorithm_for(array, group.size, reduction)
             if algorithm == "auto":
                 algorithm = ops.choose_algorithm(array.nbytes, group.size, array.dtype, reduction)
             recording.begin(response.names, f"{algorithm.upper()}_ALLREDUCE")
@@ -370,13 +375,20 @@ class Executor:
         if flat.dtype.is_floating_point:  # scaled inside the allreduce, chunk by chunk while in cache
             scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
                 else response.postscale_factor
-        ops.allreduce(group.comm, array, reduction, self.algorithm,
+        ops.allreduce(group.comm, array, reduction, self._algorithm_for(array, group.size, reduction),
                       source=None if source is None else flat_array(source), scale=scale,
                       segment_bytes=self.segment_bytes)
         if recording is not None:
             recording.end(response.names)
         if scale is None:
             self._postscale(flat, response, group.size)
+
+    def _algorithm_for(self, array, size: int, reduction: str) -> str:
+        """The configured algorithm, or with the autotuner's crossover the one "auto" picks under it."""
+        tuner = self.autotune
+        if self.algorithm != "auto" or tuner is None or tuner.ring_scale == 1.0:
+            return self.algorithm
+        return ops.choose_algorithm(array.nbytes, size, array.dtype, reduction, tuner.ring_scale)
 
     @staticmethod
     def _postscale(flat: torch.Tensor, response: pb.Response, size: int) -> None:
@@ -467,6 +479,11 @@ class Executor:
                 plan.serve_joined()
         if entry is not None:
             self._complete(entry, None)
+
+    def _autotune(self, response: pb.Response, group: SetComm) -> None:
+        """Rank 0's autotuned settings: every rank applies them here, at the same place in the order."""
+        if self.autotune is not None:
+            self.autotune.apply(response.tuning, self._expected_sequence - 1)
 
     def _join(self, response: pb.Response, group: SetComm) -> None:
         self._on_join(response.last_joined_rank)

@@ -18,7 +18,7 @@ from ringmaster.common.config import Config, load_config
 from ringmaster.common.launchers import lone_task_problem
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime import current, timeline
+from ringmaster.worker.runtime import autotune, current, timeline
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
@@ -61,6 +61,7 @@ class Runtime:
             self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
             self.outbox, on_responses=self.executor.submit, on_fatal=self.fail,
             max_message_bytes=config.max_message_bytes)
+        autotune.attach(self)  # RINGMASTER_AUTOTUNE: before the thread that uses it starts
         self.executor.start()
         waiting.set_abort_check(lambda: self.fatal_error)
         try:
