@@ -32,6 +32,7 @@ from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
 from ringmaster.worker.runtime.gradient_plan import overlaps_all
 from ringmaster.worker.runtime.handles import Handle
+from ringmaster.worker.runtime.result_memory import ResultPool
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
 
 log = logging.getLogger("ringmaster.worker")
@@ -107,11 +108,14 @@ class Executor:
         across_hosts: the job spans several hosts (its ring segments are sized for a network).
         plan_overlap, local_size: what gradient plans start during backward (``Config.plan_overlap``),
             and how many ranks share this host (for "auto").
+        result_pool: out-of-place results of 1 MiB or more reuse memory the caller released
+            (``RINGMASTER_RESULT_POOL``; see ``result_memory.py``).
     """
 
     def __init__(self, comm, table: TensorTable, allreduce_algorithm: str,
                  on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0,
-                 across_hosts: bool = False, plan_overlap: str = "all", local_size: int = 1):
+                 across_hosts: bool = False, plan_overlap: str = "all", local_size: int = 1,
+                 result_pool: bool = True):
         self.nice = nice
         self._plan_overlap = plan_overlap
         self._local_size = local_size
@@ -129,6 +133,8 @@ class Executor:
         self._queue: "queue.Queue" = queue.Queue()
         self._expected_sequence = 1
         self._fusion: Dict[torch.dtype, torch.Tensor] = {}
+        # Out-of-place results: in memory the caller released (no fresh pages to fault in), or new.
+        self.results: Optional[ResultPool] = ResultPool() if result_pool else None
         # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.
         self._plans: Dict[tuple, object] = {}
         self._attached_plans: List[object] = []  # plans given a communicator of their own, to free at the end
@@ -285,9 +291,11 @@ class Executor:
         sizes = [math.prod(shape) for shape in shapes]
         everyone = all(entry is not None for entry in entries)
         if everyone and wire_dtype == dtype and all(entry.output is None for entry in entries):
-            # All out of place: reduce in a fresh buffer and hand out views of it. It is never
-            # reused, so results alias nothing; and there is nothing to copy out.
-            result = torch.cat([entry.tensor.reshape(-1) for entry in entries])
+            # All out of place: reduce in a result buffer and hand out views of it. It is reused
+            # only once no view of it is left (result_memory.py), so results alias nothing; and
+            # there is nothing to copy out.
+            result = self._new_result((sum(sizes),), dtype)
+            torch.cat([entry.tensor.reshape(-1) for entry in entries], out=result)
             self._reduce_in_place(result, response, group)
             for entry, part, shape in zip(entries, result.split(sizes), shapes):
                 self._complete(entry, part.view(shape))
@@ -351,7 +359,7 @@ class Executor:
         elif entry.output is not None:
             output = entry.output
         else:  # out of place: the result is a new tensor
-            output = torch.empty_like(entry.tensor)
+            output = self._new_result(tuple(entry.tensor.shape), dtype)
             if response.prescale_factor == 1.0:
                 source = entry.tensor.reshape(-1)  # reduce straight from the input: no copy
             else:
@@ -359,6 +367,12 @@ class Executor:
         self._reduce_in_place(output.reshape(-1), response, group, source)
         if entry is not None:
             self._complete(entry, output)
+
+    def _new_result(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Memory for an out-of-place result, never memory a caller still holds (invariant 3)."""
+        if self.results is None:
+            return torch.empty(shape, dtype=dtype)
+        return self.results.empty(shape, dtype)
 
     def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response, group: SetComm,
                          source: Optional[torch.Tensor] = None) -> None:

@@ -53,7 +53,7 @@ class Runtime:
         self.executor = Executor(comm, self.table, config.allreduce_algorithm,
                                  on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
                                  across_hosts=self.cross_size > 1, plan_overlap=config.plan_overlap,
-                                 local_size=self.local_size)
+                                 local_size=self.local_size, result_pool=config.result_pool)
         self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s,
                              heartbeat=lambda: pb.Heartbeat(plans=self.executor.plan_waits()),
                              max_message_bytes=config.max_message_bytes)
