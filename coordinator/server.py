@@ -199,6 +199,8 @@ class Coordinator:
         elif session.rank is None:
             self._breach(session, f"sent {which} before registering; the first message on a stream must be "
                          f"a registration")
+        elif session.said_goodbye and which == "tuning":
+            return  # rank 0's autotuner ended a sample while its rank shut down: nothing to tune any more
         elif session.said_goodbye:
             self._breach(session, f"sent {which} after its goodbye")
         elif which == "requests":
