@@ -84,3 +84,18 @@ def test_results_the_caller_holds_are_never_overwritten():
     result = mpirun(2, JOB, timeout=80)
     assert result.lines_starting("DONE") == ["failures 0 reused 1"] * 2, result.output[-3000:]
     assert result.returncode == 0
+
+
+@pytest.mark.timeout(90)
+def test_out_of_place_benchmark_prints_its_table():
+    import pathlib
+    import sys
+
+    from mpijob import job_environment, run_command
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "bench" / "out_of_place.py"
+    command = [sys.executable, "-m", "ringmaster.launch", "-np", "2", sys.executable, str(script),
+               "--sizes-mib", "2", "--repetitions", "2"]
+    result = run_command(command, 80, env=job_environment())
+    assert "pool/mpi" in result.stdout and " 2 MiB " in result.stdout, result.output[-3000:]
+    assert result.returncode == 0

@@ -21,8 +21,8 @@ malloc's heap, which is already reused without faults), and the pool holds at mo
 :data:`MAX_POOLED_BYTES`: when a new buffer would not fit, released buffers of other sizes
 are dropped first, and if it still does not fit the result is an ordinary ``torch.empty``.
 The cost is memory: up to that much of the caller's released results stays with the
-process. A result's storage is not resizable (``resize_`` on it raises), which ringmaster's
-results never needed. ``RINGMASTER_RESULT_POOL=0`` turns the pool off.
+process. A pooled result's storage cannot grow (``resize_`` to more elements raises; ``share_memory_``,
+pickling and DLPack work), which ringmaster's results never needed. ``RINGMASTER_RESULT_POOL=0`` turns the pool off.
 
 The alternative measured with it, glibc's ``mallopt`` (raising ``M_MMAP_THRESHOLD`` and
 ``M_TRIM_THRESHOLD`` so freed results stay in the heap), changes every allocation of the
