@@ -39,12 +39,17 @@ def run_train(train_args, autotune, plan, log_path):
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-    ratios = {}
+    found = {}  # model -> (ringmaster step ms, its throughput vs no-comm, no-comm step ms)
     for line in done.stdout.splitlines():
         match = ROW.match(line.strip())
-        if match and match.group(2) == "ringmaster":
-            ratios[match.group(1)] = (float(match.group(3)), float(match.group(5)))
-    return ratios
+        if match:
+            model, mode, step_ms, ratio = match.group(1), match.group(2), float(match.group(3)), float(match.group(5))
+            entry = found.setdefault(model, [None, None, None])
+            if mode == "ringmaster":
+                entry[0], entry[1] = step_ms, ratio
+            elif mode == "no-comm":
+                entry[2] = step_ms
+    return {model: tuple(entry) for model, entry in found.items()}
 
 
 def chosen(log_path):
@@ -76,18 +81,22 @@ def main():
                     log_path = pathlib.Path(tmp) / f"tune.{plan}.{pair}.csv"
                     print(f"[autotune bench] plan {plan}, pair {pair + 1}/{args.pairs}, autotune "
                           f"{'on' if autotune else 'off'}", file=sys.stderr, flush=True)
-                    for model, (step_ms, ratio) in run_train(args.train_args, autotune, plan, log_path).items():
+                    for model, measured in run_train(args.train_args, autotune, plan, log_path).items():
                         entry = results.setdefault((model, plan), {"off": [], "on": [], "chosen": []})
-                        entry["on" if autotune else "off"].append(ratio)
+                        entry["on" if autotune else "off"].append(measured)
                         if autotune:
                             entry["chosen"].append(chosen(log_path))
-    print(f"\nbench/train.py {' '.join(args.train_args)}, 2 ranks: ringmaster's throughput vs no-comm, "
-          f"{args.pairs} jobs each, taking turns")
-    print(f"{'model':<6} {'plan':<5} {'defaults':>24} {'autotune':>24} {'median tuned/default':>21}")
+    print(f"\nbench/train.py {' '.join(args.train_args)}, 2 ranks, {args.pairs} jobs each way, taking turns; "
+          f"per job: ringmaster's median step ms / its throughput vs no-comm's in the same job / no-comm's step ms")
     for (model, plan), entry in results.items():
+        for side in ("off", "on"):
+            runs = entry[side]
+            print(f"{model} plan {plan} autotune {side:<3}: " + "; ".join(f"{a:.1f} / {b:.2f} / {c:.1f}" for a, b, c in runs)
+                  + f"  -> medians {statistics.median(r[0] for r in runs):.1f} ms / "
+                    f"{statistics.median(r[1] for r in runs):.2f} / {statistics.median(r[2] for r in runs):.1f} ms")
         off, on = entry["off"], entry["on"]
-        print(f"{model:<6} {plan:<5} {', '.join(f'{x:.2f}' for x in off):>24} {', '.join(f'{x:.2f}' for x in on):>24} "
-              f"{statistics.median(on) / statistics.median(off):>21.3f}")
+        print(f"{model} plan {plan}: autotune / defaults, median step ms {statistics.median(r[0] for r in on) / statistics.median(r[0] for r in off):.3f}, "
+              f"median vs-no-comm ratio {statistics.median(r[1] for r in on) / statistics.median(r[1] for r in off):.3f}")
         for choice in entry["chosen"]:
             print(f"    chose: {choice}")
 
