@@ -56,6 +56,15 @@ class Config:
         cache_capacity: how many negotiated collectives the response cache keeps, so that the
             same call again runs without the coordinator (default 1024; 0 turns the cache off;
             see ``ringmaster.worker.runtime.response_cache``).
+        autotune: during the first steps, rank 0 tunes the fusion threshold, the cycle time,
+            the ring/MPI crossover and the response cache, and every rank uses its choice
+            (``ringmaster.worker.runtime.autotune``).
+        autotune_log: a CSV file for every autotuning trial and the final choice (rank 0 writes it).
+        autotune_warmup_samples: samples measured and discarded before the search (default 3).
+        autotune_steps_per_sample: a sample ends when one tensor name has been reduced this
+            many times in it (about that many training steps; default 10).
+        result_pool: out-of-place allreduces of large tensors write into memory released by the
+            caller's earlier results instead of fresh pages (``ringmaster.worker.runtime.result_memory``).
     """
 
     coordinator_addr: Optional[str] = None
@@ -80,6 +89,11 @@ class Config:
     max_message_bytes: int = 16 * MIB
     max_pending_requests: int = 65536
     cache_capacity: int = 1024
+    autotune: bool = False
+    autotune_log: Optional[str] = None
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
+    result_pool: bool = True
 
 
 # environment variable -> (Config field, parser)
@@ -168,6 +182,13 @@ def _timeline(value: str) -> str:
     return value
 
 
+def _csv_path(value: str) -> str:
+    directory = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(directory):
+        raise ValueError(f"its directory {directory} does not exist; create it first")
+    return value
+
+
 def _switch(value: str) -> bool:
     value = value.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -204,6 +225,11 @@ ENVIRONMENT = {
     "RINGMASTER_MAX_MESSAGE_BYTES": ("max_message_bytes", _message_bytes),
     "RINGMASTER_MAX_PENDING_REQUESTS": ("max_pending_requests", _positive_int),
     "RINGMASTER_CACHE_CAPACITY": ("cache_capacity", _cache_capacity),
+    "RINGMASTER_AUTOTUNE": ("autotune", _switch),
+    "RINGMASTER_AUTOTUNE_LOG": ("autotune_log", _csv_path),
+    "RINGMASTER_AUTOTUNE_WARMUP_SAMPLES": ("autotune_warmup_samples", _nonnegative_int),
+    "RINGMASTER_AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", _positive_int),
+    "RINGMASTER_RESULT_POOL": ("result_pool", _switch),
 }
 
 

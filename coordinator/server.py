@@ -35,7 +35,7 @@ from ringmaster.coordinator.plan_stalls import PlanStalls
 from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
 from ringmaster.coordinator.stall_report import in_set as _in_set
 from ringmaster.coordinator.stall_report import shutdown_reason, warning_lines
-from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown
+from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown, tuning_problem
 from ringmaster.proto import ringmaster_pb2 as pb
 
 log = logging.getLogger("ringmaster.coordinator")
@@ -85,6 +85,7 @@ class Coordinator:
         self._negotiator = self._new_negotiator()
         self._plan_stalls = self._new_plan_stalls()
         self._sequence = 0
+        self._cycle_time_ms = config.cycle_time_ms  # rank 0's autotuner may change it (_on_tuning)
         self._welcomed = False
         self._generation_started = time.monotonic()
         self._flush_scheduled: Optional[asyncio.TimerHandle] = None
@@ -208,6 +209,8 @@ class Coordinator:
         elif session.rank is None:
             self._breach(session, f"sent {which} before registering; the first message on a stream must be "
                          f"a registration")
+        elif session.said_goodbye and which == "tuning":
+            return  # rank 0's autotuner ended a sample while its rank shut down: nothing to tune any more
         elif session.said_goodbye:
             self._breach(session, f"sent {which} after its goodbye")
         elif which == "requests":
@@ -224,17 +227,38 @@ class Coordinator:
             session.close()
             self._negotiator.depart(session.rank, f"host {shown(session.hostname)}, pid {session.pid}")
             self._plan_stalls.forget(session.rank)
+        elif which == "tuning":
+            self._on_tuning(session, message.tuning)
 
     def _after_input(self) -> None:
         """Send what is ready, or, while other tensors are still arriving, wait one cycle to fuse."""
         if not self._negotiator.has_ready():
             return
-        cycle = self.config.cycle_time_ms / 1000.0
+        cycle = self._cycle_time_ms / 1000.0
         if self._negotiator.has_partial() and cycle > 0:
             if self._flush_scheduled is None:
                 self._flush_scheduled = self._loop.call_later(cycle, self._send_ready)
             return
         self._send_ready()
+
+    def _on_tuning(self, session: RankSession, tuning: pb.Tuning) -> None:
+        """Rank 0's autotuner asks for new settings (worker/runtime/autotune.py).
+
+        What is ready goes out first, fused under the old threshold; then the fusion threshold
+        and cycle time change here, and the settings go to every rank as an AUTOTUNE response
+        of their own list, so that each rank applies its part at the same place in the order.
+        """
+        problem = tuning_problem(tuning, session.rank)
+        if problem is not None:
+            self._breach(session, f"sent autotuning settings with {problem.describe()}")
+            return
+        self._send_ready()
+        self._negotiator.fusion_threshold_bytes = tuning.fusion_threshold_bytes
+        self._cycle_time_ms = tuning.cycle_time_ms
+        self._sequence += 1
+        response = pb.Response(op_type=pb.AUTOTUNE, names=[f"autotune.{tuning.trial}"], tuning=tuning)
+        self._broadcast(pb.CoordinatorMessage(responses=pb.ResponseList(sequence=self._sequence,
+                                                                         responses=[response])))
 
     def _on_register(self, session: RankSession, register: pb.Register) -> None:
         """Give the stream its rank, or refuse the stream (not the job) with the reason."""
@@ -325,6 +349,7 @@ class Coordinator:
         self._negotiator = self._new_negotiator()
         self._plan_stalls = self._new_plan_stalls()
         self._sequence = 0
+        self._cycle_time_ms = self.config.cycle_time_ms
         self._welcomed = False
         self._generation_started = time.monotonic()
 

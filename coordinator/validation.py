@@ -80,6 +80,8 @@ def request_problem(request: pb.TensorRequest, size: int, max_group_size: int) -
     op = request.op_type
     if op not in OP_NAMES:
         return Problem("op_type", str(op), f"not an operation; one of {_listing(OP_NAMES)}")
+    if op == pb.AUTOTUNE:
+        return Problem("op_type", "autotune", "not a request: rank 0's autotuner sends a Tuning message")
     if request.reduce_op not in REDUCE_NAMES:
         return Problem("reduce_op", str(request.reduce_op), f"not a reduction; one of {_listing(REDUCE_NAMES)}")
     problem = (_name_problem("name", request.name) or _set_id_problem(request)
@@ -124,6 +126,24 @@ def heartbeat_problem(heartbeat: pb.Heartbeat) -> Optional[Problem]:
             return Problem("plans.process_set_id", str(plan.process_set_id), "set ids are >= 0")
         if not (math.isfinite(plan.waiting_s) and plan.waiting_s >= 0):
             return Problem("plans.waiting_s", str(plan.waiting_s), "a finite number of seconds >= 0")
+    return None
+
+
+#: The largest fusion threshold an autotuner may ask for (the Tuning message of rank 0).
+MAX_TUNED_FUSION_BYTES = 1 << 40
+
+
+def tuning_problem(tuning: pb.Tuning, rank: int) -> Optional[Problem]:
+    """What is wrong with autotuning settings from ``rank`` (only rank 0's autotuner sends them)."""
+    if rank != 0:
+        return Problem("sender", f"rank {rank}", "rank 0 (every rank uses rank 0's choice)")
+    if not 0 <= tuning.fusion_threshold_bytes <= MAX_TUNED_FUSION_BYTES:
+        return Problem("fusion_threshold_bytes", str(tuning.fusion_threshold_bytes),
+                       f"0 to {MAX_TUNED_FUSION_BYTES} bytes")
+    if not (math.isfinite(tuning.cycle_time_ms) and 0 <= tuning.cycle_time_ms <= 60_000):
+        return Problem("cycle_time_ms", str(tuning.cycle_time_ms), "a finite number of milliseconds from 0 to 60000")
+    if tuning.ring_min_bytes < 0:
+        return Problem("ring_min_bytes", str(tuning.ring_min_bytes), "bytes >= 0")
     return None
 
 

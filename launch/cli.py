@@ -127,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--cache-capacity", type=_number(int, 0, True), metavar="N",
                         help="negotiated collectives each rank's response cache keeps, so that calling one "
                              "again skips the coordinator (default 1024; 0: no cache)")
+    tuning.add_argument("--autotune", action="store_true",
+                        help="tune fusion threshold, cycle time, ring/MPI crossover and response cache "
+                             "during the first steps (RINGMASTER_AUTOTUNE=1)")
+    tuning.add_argument("--autotune-log-file", metavar="PATH",
+                        help="write every autotuning trial and the final choice to this CSV file")
+    tuning.add_argument("--autotune-warmup-samples", type=_number(int, 0, True), metavar="N",
+                        help="autotuning samples discarded before the search (default 3)")
+    tuning.add_argument("--autotune-steps-per-sample", type=_number(int, 1, True), metavar="N",
+                        help="steps (repeats of one tensor name) per autotuning sample (default 10)")
     tuning.add_argument("--timeline-filename", metavar="PATH",
                         help="record a Chrome-tracing timeline of every tensor to PATH ({rank} in PATH: "
                              "one file per rank; otherwise rank 0's)")
@@ -237,6 +246,9 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         timeline_filename=args.timeline_filename, background_nice=args.background_nice,
         max_message_mb=args.max_message_mb, max_pending_requests=args.max_pending_requests,
         cache_capacity=args.cache_capacity,
+        autotune=args.autotune, autotune_log_file=args.autotune_log_file,
+        autotune_warmup_samples=args.autotune_warmup_samples,
+        autotune_steps_per_sample=args.autotune_steps_per_sample,
     )
     base_env = base_environment(environ, tuning)
     config = validated_config(base_env)

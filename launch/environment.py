@@ -41,6 +41,10 @@ def tuning_environment(
     max_message_mb: Optional[float] = None,
     max_pending_requests: Optional[int] = None,
     cache_capacity: Optional[int] = None,
+    autotune: bool = False,
+    autotune_log_file: Optional[str] = None,
+    autotune_warmup_samples: Optional[int] = None,
+    autotune_steps_per_sample: Optional[int] = None,
 ) -> Dict[str, str]:
     """The ``RINGMASTER_*`` variables for the tuning flags that were given (``None``: not given).
 
@@ -78,6 +82,14 @@ def tuning_environment(
         env["RINGMASTER_MAX_PENDING_REQUESTS"] = str(max_pending_requests)
     if cache_capacity is not None:
         env["RINGMASTER_CACHE_CAPACITY"] = str(cache_capacity)
+    if autotune:
+        env["RINGMASTER_AUTOTUNE"] = "1"
+    if autotune_log_file is not None:
+        env["RINGMASTER_AUTOTUNE_LOG"] = autotune_log_file
+    if autotune_warmup_samples is not None:
+        env["RINGMASTER_AUTOTUNE_WARMUP_SAMPLES"] = str(autotune_warmup_samples)
+    if autotune_steps_per_sample is not None:
+        env["RINGMASTER_AUTOTUNE_STEPS_PER_SAMPLE"] = str(autotune_steps_per_sample)
     return env
 
 

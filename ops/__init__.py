@@ -14,7 +14,7 @@ Supported dtypes: float16, float32, float64, int32, int64, uint8, bool; ops: "su
 "min", "max", "prod" (on bool: sum/max = logical or, prod/min = logical and).
 """
 
-from .allreduce import allreduce, choose_algorithm
+from .allreduce import allreduce, choose_algorithm, ring_min_bytes
 from .dtypes import SUPPORTED_DTYPES, SUPPORTED_OPS
 from .mpi_collectives import (allgatherv, alltoallv, broadcast, can_start_allreduce, mpi_allreduce, reducescatter,
                               start_allreduce)
@@ -30,6 +30,7 @@ __all__ = [
     "broadcast",
     "can_start_allreduce",
     "choose_algorithm",
+    "ring_min_bytes",
     "mpi_allreduce",
     "quantized_ring_allreduce",
     "reducescatter",

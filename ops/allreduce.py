@@ -71,17 +71,22 @@ def _size_class(dtype: np.dtype, op: str) -> str:
     return "default"
 
 
-def choose_algorithm(nbytes: int, comm_size: int, dtype, op: str) -> str:
+def ring_min_bytes(comm_size: int, dtype, op: str) -> int:
+    """The smallest message (bytes) for which "auto" uses the ring, from :data:`RING_MIN_BYTES`."""
+    row = RING_MIN_BYTES[_size_class(np.dtype(dtype), op)]
+    return row[max([key for key in row if key <= comm_size] or [min(row)])]
+
+
+def choose_algorithm(nbytes: int, comm_size: int, dtype, op: str, ring_scale: float = 1.0) -> str:
     """"ring" or "mpi": the algorithm ``allreduce(..., algorithm="auto")`` runs.
 
     A pure function of its arguments (see :data:`RING_MIN_BYTES`), so all ranks, which
-    pass the same message, decide identically.
+    pass the same message, decide identically. ``ring_scale`` multiplies the table's
+    thresholds (the autotuner's crossover; every rank passes the same one).
     """
     if comm_size < 2 or nbytes == 0:
         return "mpi"   # nothing to exchange; mpi_allreduce returns at once
-    row = RING_MIN_BYTES[_size_class(np.dtype(dtype), op)]
-    threshold = row[max(key for key in row if key <= comm_size)]
-    return "ring" if nbytes >= threshold else "mpi"
+    return "ring" if nbytes >= ring_min_bytes(comm_size, dtype, op) * ring_scale else "mpi"
 
 
 def allreduce(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum",

@@ -32,6 +32,7 @@ from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
 from ringmaster.worker.runtime.gradient_plan import overlaps_all
 from ringmaster.worker.runtime.handles import Handle
+from ringmaster.worker.runtime.result_memory import ResultPool
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
 
 log = logging.getLogger("ringmaster.worker")
@@ -117,12 +118,15 @@ class Executor:
         across_hosts: the job spans several hosts (its ring segments are sized for a network).
         plan_overlap, local_size: what gradient plans start during backward (``Config.plan_overlap``),
             and how many ranks share this host (for "auto").
+        result_pool: out-of-place results of 1 MiB or more reuse memory the caller released
+            (``RINGMASTER_RESULT_POOL``; see ``result_memory.py``).
     """
 
     def __init__(self, comm, table: TensorTable, allreduce_algorithm: str,
                  on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0,
                  on_join_counted: Callable[[], None] = lambda: None,
-                 across_hosts: bool = False, plan_overlap: str = "all", local_size: int = 1):
+                 across_hosts: bool = False, plan_overlap: str = "all", local_size: int = 1,
+                 result_pool: bool = True):
         self.nice = nice
         self._plan_overlap = plan_overlap
         self._local_size = local_size
@@ -141,17 +145,22 @@ class Executor:
         self._queue: "queue.Queue" = queue.Queue()
         self._expected_sequence = 1
         self._fusion: Dict[torch.dtype, torch.Tensor] = {}
+        # Out-of-place results: in memory the caller released (no fresh pages to fault in), or new.
+        self.results: Optional[ResultPool] = ResultPool() if result_pool else None
         # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.
         self._plans: Dict[tuple, object] = {}
         self._attached_plans: List[object] = []  # plans given a communicator of their own, to free at the end
         self._stopping = False
         self.cache = None  # the runtime's ResponseCache, told of the responses it may reuse
+        #: The autotuner (RINGMASTER_AUTOTUNE), set by the runtime before start(); see worker/runtime/autotune.py.
+        self.autotune = None
         self._thread = threading.Thread(target=self._run, name="ringmaster-background", daemon=True)
         self._run_response = {
             pb.ALLREDUCE: self._allreduce, pb.ALLGATHER: self._allgather, pb.BROADCAST: self._broadcast,
             pb.ALLTOALL: self._alltoall, pb.REDUCESCATTER: self._reducescatter,
             pb.BARRIER: self._barrier, pb.JOIN: self._join,
             pb.PROCESS_SET_ADD: self._add_process_set, pb.PROCESS_SET_REMOVE: self._remove_process_set,
+            pb.AUTOTUNE: self._autotune,
         }
 
     def start(self) -> None:
@@ -238,6 +247,8 @@ class Executor:
                         recording.end(response.names)
                 if not done:
                     return
+            if self.autotune is not None and self.autotune.active:
+                self.autotune.observe(item)
 
     def execute(self, response: pb.Response) -> bool:
         """Run one response now, on the calling thread; False if it failed (its handles and the job fail)."""
@@ -319,9 +330,11 @@ class Executor:
         sizes = [math.prod(shape) for shape in shapes]
         everyone = all(entry is not None for entry in entries)
         if everyone and wire_dtype == dtype and all(entry.output is None for entry in entries):
-            # All out of place: reduce in a fresh buffer and hand out views of it. It is never
-            # reused, so results alias nothing; and there is nothing to copy out.
-            result = torch.cat([entry.tensor.reshape(-1) for entry in entries])
+            # All out of place: reduce in a result buffer and hand out views of it. It is reused
+            # only once no view of it is left (result_memory.py), so results alias nothing; and
+            # there is nothing to copy out.
+            result = self._new_result((sum(sizes),), dtype)
+            torch.cat([entry.tensor.reshape(-1) for entry in entries], out=result)
             self._reduce_in_place(result, response, group)
             for entry, part, shape in zip(entries, result.split(sizes), shapes):
                 self._complete(entry, part.view(shape))
@@ -385,7 +398,7 @@ class Executor:
         elif entry.output is not None:
             output = entry.output
         else:  # out of place: the result is a new tensor
-            output = torch.empty_like(entry.tensor)
+            output = self._new_result(tuple(entry.tensor.shape), dtype)
             if response.prescale_factor == 1.0:
                 source = entry.tensor.reshape(-1)  # reduce straight from the input: no copy
             else:
@@ -394,6 +407,12 @@ class Executor:
         if entry is not None:
             self._complete(entry, output)
 
+    def _new_result(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Memory for an out-of-place result, never memory a caller still holds (invariant 3)."""
+        if self.results is None:
+            return torch.empty(shape, dtype=dtype)
+        return self.results.empty(shape, dtype)
+
     def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response, group: SetComm,
                          source: Optional[torch.Tensor] = None) -> None:
         """Allreduce into the 1-D contiguous ``flat`` (from ``source`` if given), with Horovod's scaling."""
@@ -401,7 +420,7 @@ class Executor:
         array, reduction = flat_array(flat), OPS_REDUCTION[response.reduce_op]
         recording = timeline.active()
         if recording is not None:
-            algorithm = self.algorithm
+            algorithm = self._algorithm_for(array, group.size, reduction)
             if algorithm == "auto":
                 algorithm = ops.choose_algorithm(array.nbytes, group.size, array.dtype, reduction)
             recording.begin(response.names, f"{algorithm.upper()}_ALLREDUCE")
@@ -409,13 +428,20 @@ class Executor:
         if flat.dtype.is_floating_point:  # scaled inside the allreduce, chunk by chunk while in cache
             scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
                 else response.postscale_factor
-        ops.allreduce(group.comm, array, reduction, self.algorithm,
+        ops.allreduce(group.comm, array, reduction, self._algorithm_for(array, group.size, reduction),
                       source=None if source is None else flat_array(source), scale=scale,
                       segment_bytes=self.segment_bytes)
         if recording is not None:
             recording.end(response.names)
         if scale is None:
             self._postscale(flat, response, group.size)
+
+    def _algorithm_for(self, array, size: int, reduction: str) -> str:
+        """The configured algorithm, or with the autotuner's crossover the one "auto" picks under it."""
+        tuner = self.autotune
+        if self.algorithm != "auto" or tuner is None or tuner.ring_scale == 1.0:
+            return self.algorithm
+        return ops.choose_algorithm(array.nbytes, size, array.dtype, reduction, tuner.ring_scale)
 
     @staticmethod
     def _postscale(flat: torch.Tensor, response: pb.Response, size: int) -> None:
@@ -506,6 +532,11 @@ class Executor:
                 plan.serve_joined()
         if entry is not None:
             self._complete(entry, None)
+
+    def _autotune(self, response: pb.Response, group: SetComm) -> None:
+        """Rank 0's autotuned settings: every rank applies them here, at the same place in the order."""
+        if self.autotune is not None:
+            self.autotune.apply(response.tuning, self._expected_sequence - 1)
 
     def _join(self, response: pb.Response, group: SetComm) -> None:
         if response.last_joined_rank < 0:  # the coordinator counted a rank's join (it announces each)

@@ -18,7 +18,7 @@ from ringmaster.common.config import Config, load_config
 from ringmaster.common.launchers import lone_task_problem
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime import current, timeline
+from ringmaster.worker.runtime import autotune, current, timeline
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
@@ -57,7 +57,7 @@ class Runtime:
                                  on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
                                  on_join_counted=self._join_counted,
                                  across_hosts=self.cross_size > 1, plan_overlap=config.plan_overlap,
-                                 local_size=self.local_size)
+                                 local_size=self.local_size, result_pool=config.result_pool)
         self.cache = self._start_cache(comm, config)
         self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s,
                              heartbeat=lambda: pb.Heartbeat(plans=self.executor.plan_waits()),
@@ -66,6 +66,9 @@ class Runtime:
             self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
             self.outbox, on_responses=self.executor.submit, on_fatal=self.fail,
             max_message_bytes=config.max_message_bytes)
+        autotune.attach(self)  # RINGMASTER_AUTOTUNE: before the thread that uses it starts
+        if self.cache is not None:
+            self.cache.autotune = self.executor.autotune
         self.executor.start()
         if self.cache is not None:
             self.cache.start()
@@ -126,6 +129,12 @@ class Runtime:
             if self.cache.take(entries[0], requests):
                 return
         self.outbox.add(requests() if callable(requests) else requests, flush)
+
+    def set_cache_enabled(self, on: bool) -> None:
+        """Use the response cache or negotiate everything (autotuning's switch; called on the
+        background thread at the AUTOTUNE response, so at the same place in the order everywhere)."""
+        if self.cache is not None:
+            self.cache.enabled = on
 
     def flush(self, handle=None) -> None:
         """The caller is about to wait (on ``handle``): send what is queued; run the cache's cycles

@@ -58,6 +58,12 @@ class Outbox:
             elif was_idle:
                 self._condition.notify()  # starts the cycle timer of the sending thread
 
+    def set_cycle_time(self, cycle_time_s: float) -> None:
+        """Use another cycle time from now on (the autotuner's, ``worker/runtime/autotune.py``)."""
+        with self._condition:
+            self._cycle_time_s = cycle_time_s
+            self._condition.notify()
+
     def flush(self) -> None:
         """Send what is queued now: the caller is about to wait for it."""
         with self._condition:

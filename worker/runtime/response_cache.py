@@ -98,6 +98,13 @@ class _Slot:
     fuse_key: Optional[tuple] = None  # slots with equal keys may run as one fused allreduce
 
 
+@dataclasses.dataclass
+class _Ran:
+    """What ran in one go, as the autotuner reads a response list."""
+
+    responses: list
+
+
 class _Batch:
     """Ready slots run as one response: what the executor reads of a ``pb.Response``, built
     from the slots' templates without making a protobuf message per cycle."""
@@ -183,6 +190,7 @@ class ResponseCache:
         self._suspended = False          # some rank joined: negotiate everything until the JOIN response
         self._joins_completed = 0        # JOIN responses seen: numbers the join rounds
         self.enabled = True              # False: negotiate every request (autotuning's switch)
+        self.autotune = None             # the Autotuner (RINGMASTER_AUTOTUNE) to tell what ran here
         self.hits = 0
         self._thread = threading.Thread(target=self._run, name="ringmaster-cache", daemon=True)
 
@@ -556,5 +564,8 @@ class ResponseCache:
         finally:
             if recording is not None:
                 recording.end(names)
+            tuner = self.autotune
+            if tuner is not None and tuner.active:
+                tuner.observe(_Ran([response]))  # cached bytes count too, or tuning would shun the cache
 
 
