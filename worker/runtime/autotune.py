@@ -201,7 +201,7 @@ class Autotuner:
         if not self._measuring:
             return
         for response in response_list.responses:
-            if response.op_type == pb.AUTOTUNE:
+            if response.op_type in (pb.AUTOTUNE, pb.CACHE_WAKE, pb.JOIN):  # control, not a step's work
                 continue
             self._bytes += reduced_bytes(response)
             self._responses += 1

@@ -96,8 +96,10 @@ class Runtime:
             return None
         cache_comm = comm.Dup()
         runner = Executor(cache_comm, self.table, config.allreduce_algorithm, on_join=self._joined,
+                          result_pool=False,
                           on_fatal=self.fail, nice=config.background_nice, across_hosts=self.cross_size > 1,
                           local_size=self.local_size)
+        runner.results = self.executor.results  # one pool: a result may come from either path
         cache = ResponseCache(cache_comm, runner, config.cache_capacity, config.fusion_threshold_bytes,
                               config.cycle_time_ms / 1000.0, negotiate=lambda requests: self.outbox.add(requests, True),
                               on_fatal=self.fail)

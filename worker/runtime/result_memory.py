@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from typing import List, Sequence
 
 import numpy as np
@@ -59,13 +60,16 @@ _ONLY_THE_POOL = _reference_counts([np.empty(1, dtype=np.uint8)])[0]
 class ResultPool:
     """Large result tensors in memory the caller has released (see the module docstring).
 
-    Used by the background thread only.
+    Used by the background thread and by whichever thread runs the response cache's
+    collectives: a buffer is checked free and wrapped under one lock, so that two threads
+    never hand out the same memory.
     """
 
     def __init__(self, max_bytes: int = MAX_POOLED_BYTES, min_bytes: int = MIN_POOLED_BYTES):
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes
         self._buffers: List[np.ndarray] = []
+        self._lock = threading.Lock()
         self.reused = 0          # results given memory the pool had (for tests and benchmarks)
         self.allocated = 0       # buffers the pool allocated
 
@@ -79,10 +83,11 @@ class ResultPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.min_bytes:
             return torch.empty(shape, dtype=dtype)
-        buffer = self._free_buffer(nbytes)
-        if buffer is None:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buffer, dtype=dtype).view(shape)
+        with self._lock:
+            buffer = self._free_buffer(nbytes)
+            if buffer is None:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
     def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """:meth:`empty` with ``tensor``'s shape and dtype (contiguous)."""
