@@ -95,6 +95,27 @@ def many_small(comm, steps):
             {way: statistics.median(values) for way, values in submit.items()})
 
 
+def idle_cost(comm, seconds=2.0):
+    """Share of a core each rank spends while the cache is awake with nothing to do, and asleep."""
+    from ringmaster.worker.runtime import response_cache
+
+    def share():
+        comm.Barrier()
+        cpu, wall = time.process_time(), time.perf_counter()
+        time.sleep(seconds)
+        return comm.allreduce((time.process_time() - cpu) / (time.perf_counter() - wall), op=MPI.MAX)
+
+    use_cache(True, comm)
+    dormant_after = response_cache.DORMANT_AFTER_S
+    response_cache.DORMANT_AFTER_S = float("inf")  # keep it awake, cycling every IDLE_CYCLE_S
+    rm.allreduce(torch.ones(1), name="idle.wake")
+    awake = share()
+    response_cache.DORMANT_AFTER_S = dormant_after
+    rm.allreduce(torch.ones(1), name="idle.wake")
+    time.sleep(dormant_after + 0.1)
+    return awake, share()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=100, help="rounds of 10 round trips per way (default 100)")
@@ -108,6 +129,7 @@ def main():
     comm = MPI.COMM_WORLD
     rounds = latency(comm, args.rounds)
     steps, submits = many_small(comm, args.steps)
+    awake, asleep = idle_cost(comm)
     if comm.rank == 0:
         load = open("/proc/loadavg").read().split()[0]
         print(f"\n{comm.size} ranks, load average {load}")
@@ -122,6 +144,8 @@ def main():
         cached, negotiated, mpi = (submits[w] * 1e6 / 100 for w in ("cached", "negotiated", "mpi4py"))
         print(f"{'  of which submitting, per tensor (us)':34} | {cached:9.1f} | {negotiated:10.1f} | {mpi:9.1f} | "
               f"{cached / mpi:10.2f} | {negotiated / cached:6.1f}")
+        print(f"CPU of a rank with nothing to do (share of a core, busiest rank): cache awake {awake * 100:.1f} %, "
+              f"asleep {asleep * 100:.1f} %")
     rm.shutdown()
 
 

@@ -116,3 +116,12 @@ def test_cluster_benchmark_runs_across_shaped_hosts():
     for name in ("ringmaster", "ringmaster int8", "mpi4py"):
         assert re.search(rf"^\| 1 MiB \| {name} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ × \|$", result.stdout, re.MULTILINE), \
             result.stdout
+
+
+@pytest.mark.timeout(150)
+def test_small_collectives_benchmark_prints_cached_negotiated_and_mpi():
+    result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "small_collectives.py"),
+                          "--rounds", "2", "--steps", "2"], timeout=140, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    for row in ("4-byte allreduce p50", "100 x 16 KiB async step", "submitting, per tensor", "cache awake"):
+        assert row in result.stdout, result.stdout
