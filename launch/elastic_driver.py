@@ -58,7 +58,7 @@ from .hosts import Host, is_local_host, total_slots
 from .job import MpiJob
 from .mpi_command import build_command
 from .output import OutputRelay
-from .processes import die_with_parent, signal_session
+from .processes import die_with_parent
 
 PREFIX = "ringrun: elastic:"
 #: Seconds mpirun gets to end once its coordinator aborted the generation.
@@ -161,18 +161,8 @@ class _GenerationJob(MpiJob):
         super().__init__(*args, **kwargs)
         self._tick = tick
 
-    def _wait(self) -> int:
-        process = self._process
-        while True:
-            self.relay.pump(0.1)
-            returncode = process.poll()
-            if returncode is not None:
-                return returncode
-            if self._kill_at is not None and time.monotonic() >= self._kill_at:
-                signal_session(process.pid, 9)
-                self._kill_at = None
-            if self._tick():
-                signal_session(process.pid, 9)
+    def _should_stop(self) -> bool:
+        return self._tick()
 
 
 #: mpirun arguments for a job that shrinks in place: ULFM, over TCP (shared memory has no

@@ -100,6 +100,12 @@ class MpiJob:
             if self._kill_at is not None and time.monotonic() >= self._kill_at:
                 signal_session(process.pid, signal.SIGKILL)
                 self._kill_at = None
+            if self._should_stop():
+                signal_session(process.pid, signal.SIGKILL)
+
+    def _should_stop(self) -> bool:
+        """Asked between output pumps while the job runs: True kills it (the elastic driver's hook)."""
+        return False
 
     def _forward(self, signum: int, frame) -> None:
         if self.received_signal is None:
