@@ -274,20 +274,16 @@ class ResponseCache:
 
     # ---------------------------------------------------------------- shutdown
     def stop(self, timeout_s: float = 10.0) -> bool:
-        """End the thread once every rank stops (call after the executor ran its last response)."""
+        """End the thread once every rank stops, or all sleep; False if it did not within ``timeout_s``.
+
+        Called before this rank leaves the coordinator: the last cycles need every rank, and a
+        rank that has left is announced to the others, whose caches then stop for good.
+        """
         with self._lock:
             self._closing = True
             self._lock.notify()
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
-
-    def withdraw_all(self) -> List[object]:
-        """Forget every pending hit (shutdown): their entries, to fail."""
-        with self._lock:
-            hits = list(self._pending.values()) + [h for hits in self._waiting.values() for h in hits]
-            self._pending.clear()
-            self._waiting.clear()
-        return [hit.entry for hit in hits]
 
     # ------------------------------------------------------------------ thread
     def drive(self, done: Callable[[], bool]) -> None:
@@ -333,7 +329,8 @@ class ResponseCache:
 
     def _has_work(self) -> bool:
         """Under the lock: whether this rank needs cycles now (else they only keep it in step)."""
-        return bool(self._pending or self._waiting or self._queued or self._suspend_requested or self._closing)
+        return bool(self._pending or self._waiting or self._queued or self._closing
+                    or (self._suspend_requested and not self._suspended))
 
     def _guarded_cycle(self, urgent: bool) -> None:
         """A cycle; ``urgent``: some work of this rank's waits on it, so its waits yield the core
@@ -450,7 +447,8 @@ class ResponseCache:
     def _vector(self) -> np.ndarray:
         vector = np.zeros(_HEADER + len(self._slots), dtype=np.int64)
         vector[_QUEUED] = len(self._queued)
-        busy = self._pending or self._waiting or self._queued or self._suspend_requested
+        # A joined rank waits for the others to step aside; once they have, it is idle (join() may last long).
+        busy = self._pending or self._waiting or self._queued or (self._suspend_requested and not self._suspended)
         vector[_IDLE] = 0 if busy else int(time.monotonic() - self._last_activity >= DORMANT_AFTER_S)
         vector[_EVENTS] = self._events
         vector[_MINUS_EVENTS] = -self._events
