@@ -172,7 +172,7 @@ class Negotiator:
         if request.op_type == pb.CACHE_WAKE:
             # Needs no other rank: it only tells every rank's response cache, at the same place
             # in the order, that some rank has work for it (worker/runtime/response_cache.py).
-            self._ready.append(pb.Response(op_type=pb.CACHE_WAKE, names=[request.name]))
+            self._ready.append(pb.Response(op_type=pb.CACHE_WAKE))  # no names: no tensor of the timeline
             return
         set_id = request.process_set_id
         if set_id != GLOBAL_SET and not self._accept_set_request(rank, request):
@@ -274,7 +274,7 @@ class Negotiator:
         """``rank`` shut down: tensors it never submitted can never complete, so they fail now."""
         self._departed[rank] = who
         # Response caches run their own collectives, which need every rank: tell the others.
-        self._ready.append(pb.Response(op_type=pb.CACHE_WAKE, names=["cache.wake"], error_kind=pb.RANK_FAILED,
+        self._ready.append(pb.Response(op_type=pb.CACHE_WAKE, error_kind=pb.RANK_FAILED,
                                        error_message=f"rank {rank} ({who}) shut down"))
         for entry in list(self._pending.values()):
             self._fail_if_orphaned(entry)
@@ -311,8 +311,7 @@ class Negotiator:
                 # Announced to every rank in the order (last_joined_rank -1: not the end of join):
                 # the joined rank's gradient plans start standing in for it only then, so that
                 # the others cannot finish steps, and join, before this join is counted here.
-                self._ready.append(pb.Response(op_type=pb.JOIN, names=["join"], joined_ranks=[rank],
-                                               last_joined_rank=-1))
+                self._ready.append(pb.Response(op_type=pb.JOIN, joined_ranks=[rank], last_joined_rank=-1))
         # A joined rank counts as having declared every tensor of the global set: some may
         # now be complete. (join() is global: other sets' tensors still wait for every member.)
         for entry in list(self._pending.values()):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from mpijob import LAUNCH_FAILURE, LAUNCH_RETRIES, run_command
@@ -47,9 +48,15 @@ def test_a_timed_out_job_leaves_no_process_behind_even_outside_its_group(tmp_pat
     with pytest.raises(AssertionError, match="did not finish"):
         run_command(command, timeout=2)
     pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10  # SIGKILL is sent; the process still has to die and be reaped
+    while os.path.exists(f"/proc/{pid}") and not _is_zombie(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"process {pid} is still running"
 
 
 def _is_zombie(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(")")[-1].split()[0] == "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:  # gone meanwhile
+        return True

@@ -28,7 +28,10 @@ def test_cached_collectives_equal_the_negotiated_ones(np, capacity):
     result = mpirun(np, JOB, timeout=180, env={"RINGMASTER_CACHE_CAPACITY": capacity})
     assert_clean(result, np)
     hits = [int(line.split()[1]) for line in result.lines_starting("HITS")]
-    assert len(set(hits)) == 1 and hits[0] > 0, hits  # every rank took the same collectives from it
+    # Every rank took collectives from it. Not necessarily as many: a submission that comes just
+    # before a slot is added (or after it is evicted) here, and just after elsewhere, is a hit on
+    # one rank and negotiated on the other (the hit is then withdrawn and negotiated too).
+    assert len(hits) == np and min(hits) > 0, hits
 
 
 MISMATCH = """
