@@ -175,15 +175,18 @@ class Autotuner:
         if self._set_cache_enabled is not None:
             self._set_cache_enabled(setting["cache_enabled"])
         self.applied.append(Applied(sequence, tuning.trial, setting, tuning.final))
-        self._current = setting
-        if tuning.final:
-            self.active = False
-            self._measuring = False
-            if self.rank == 0:
-                log.info("autotune: chose %s", setting)
-        elif self.rank == 0 and tuning.trial == self._trial + 1:  # the setting rank 0 asked for last
-            self._measuring = True
-            self._start_sample()
+        # Under observe()'s lock: a cached collective counted on another thread must see either
+        # no open sample or the new one, never the new flag with the last sample's counts.
+        with self._observing:
+            self._current = setting
+            if tuning.final:
+                self.active = False
+                self._measuring = False
+                if self.rank == 0:
+                    log.info("autotune: chose %s", setting)
+            elif self.rank == 0 and tuning.trial == self._trial + 1:  # the setting rank 0 asked for last
+                self._start_sample()
+                self._measuring = True
 
     # ------------------------------------------------------------- rank 0
     def observe(self, response_list: pb.ResponseList) -> None:
