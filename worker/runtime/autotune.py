@@ -267,11 +267,15 @@ def attach(runtime) -> None:
 
     Called by ``Runtime.__init__`` before the background thread starts. The response cache
     takes part in the search when the runtime has a ``set_cache_enabled(bool)`` method (it
-    is called on the background thread, at the AUTOTUNE response's place in the order).
+    is called on the background thread, at the AUTOTUNE response's place in the order) and
+    a cache (``runtime.cache`` is None with ``RINGMASTER_CACHE_CAPACITY=0``: nothing to switch,
+    so no samples are spent on it).
     """
     if not runtime.config.autotune:
         return
+    toggle = getattr(runtime, "set_cache_enabled", None)
+    if getattr(runtime, "cache", True) is None:
+        toggle = None
     runtime.executor.autotune = Autotuner(
         runtime.rank, runtime.size, runtime.config, send=runtime.outbox.put_control,
-        set_cycle_time=runtime.outbox.set_cycle_time,
-        set_cache_enabled=getattr(runtime, "set_cache_enabled", None))
+        set_cycle_time=runtime.outbox.set_cycle_time, set_cache_enabled=toggle)
