@@ -222,3 +222,20 @@ def test_every_rank_applies_rank0s_settings_at_the_same_place_and_results_stay_e
     assert (int(rows[-1]["fusion_threshold_bytes"]), int(rows[-1]["ring_min_bytes"])) == (
         final["fusion_threshold_bytes"], final["ring_min_bytes"])
     assert result.returncode == 0
+
+
+def test_the_cache_knob_is_searched_only_where_there_is_a_cache():
+    from types import SimpleNamespace
+
+    from ringmaster.worker.runtime.autotune import attach
+
+    def runtime(cache):
+        return SimpleNamespace(rank=1, size=2, config=Config(autotune=True), cache=cache,
+                               executor=SimpleNamespace(autotune=None), set_cache_enabled=lambda on: None,
+                               outbox=SimpleNamespace(put_control=lambda m: None, set_cycle_time=lambda s: None))
+
+    without, with_cache = runtime(None), runtime(object())
+    attach(without)
+    attach(with_cache)
+    assert {d.name: d for d in without.executor.autotune.search.dimensions}["cache_enabled"].values == (True,)
+    assert {d.name: d for d in with_cache.executor.autotune.search.dimensions}["cache_enabled"].values == (False, True)

@@ -175,15 +175,18 @@ class Autotuner:
         if self._set_cache_enabled is not None:
             self._set_cache_enabled(setting["cache_enabled"])
         self.applied.append(Applied(sequence, tuning.trial, setting, tuning.final))
-        self._current = setting
-        if tuning.final:
-            self.active = False
-            self._measuring = False
-            if self.rank == 0:
-                log.info("autotune: chose %s", setting)
-        elif self.rank == 0 and tuning.trial == self._trial + 1:  # the setting rank 0 asked for last
-            self._measuring = True
-            self._start_sample()
+        # Under observe()'s lock: a cached collective counted on another thread must see either
+        # no open sample or the new one, never the new flag with the last sample's counts.
+        with self._observing:
+            self._current = setting
+            if tuning.final:
+                self.active = False
+                self._measuring = False
+                if self.rank == 0:
+                    log.info("autotune: chose %s", setting)
+            elif self.rank == 0 and tuning.trial == self._trial + 1:  # the setting rank 0 asked for last
+                self._start_sample()
+                self._measuring = True
 
     # ------------------------------------------------------------- rank 0
     def observe(self, response_list: pb.ResponseList) -> None:
@@ -264,11 +267,15 @@ def attach(runtime) -> None:
 
     Called by ``Runtime.__init__`` before the background thread starts. The response cache
     takes part in the search when the runtime has a ``set_cache_enabled(bool)`` method (it
-    is called on the background thread, at the AUTOTUNE response's place in the order).
+    is called on the background thread, at the AUTOTUNE response's place in the order) and
+    a cache (``runtime.cache`` is None with ``RINGMASTER_CACHE_CAPACITY=0``: nothing to switch,
+    so no samples are spent on it).
     """
     if not runtime.config.autotune:
         return
+    toggle = getattr(runtime, "set_cache_enabled", None)
+    if getattr(runtime, "cache", True) is None:
+        toggle = None
     runtime.executor.autotune = Autotuner(
         runtime.rank, runtime.size, runtime.config, send=runtime.outbox.put_control,
-        set_cycle_time=runtime.outbox.set_cycle_time,
-        set_cache_enabled=getattr(runtime, "set_cache_enabled", None))
+        set_cycle_time=runtime.outbox.set_cycle_time, set_cache_enabled=toggle)
