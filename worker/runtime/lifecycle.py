@@ -14,6 +14,8 @@ import sys
 import threading
 from typing import List, Optional
 
+import numpy as np
+
 from ringmaster.common.config import Config, load_config
 from ringmaster.common.launchers import lone_task_problem
 from ringmaster.ops import waiting
@@ -30,7 +32,6 @@ from ringmaster.worker.runtime.response_cache import ResponseCache
 from ringmaster.worker.runtime.stack_dumps import install_dump_signal
 
 log = logging.getLogger("ringmaster.worker")
-
 
 
 class Runtime:
@@ -86,19 +87,20 @@ class Runtime:
         """The response cache (None when RINGMASTER_CACHE_CAPACITY is 0), on a communicator of its own."""
         from mpi4py import MPI
 
-        lowest, highest = comm.allreduce(-config.cache_capacity, op=MPI.MAX), comm.allreduce(config.cache_capacity, op=MPI.MAX)
-        if -lowest != highest:
+        bounds = np.array([-config.cache_capacity, config.cache_capacity], dtype=np.int64)
+        comm.Allreduce(MPI.IN_PLACE, bounds, op=MPI.MAX)  # [-lowest, highest] in one call
+        lowest, highest = -int(bounds[0]), int(bounds[1])
+        if lowest != highest:
             raise RingmasterError(
-                f"rank {self.rank}: RINGMASTER_CACHE_CAPACITY differs between ranks (from {-lowest} to {highest}; "
+                f"rank {self.rank}: RINGMASTER_CACHE_CAPACITY differs between ranks (from {lowest} to {highest}; "
                 f"this rank has {config.cache_capacity}): every rank must use the same value (ringrun "
                 f"--cache-capacity sets it for all)")
         if config.cache_capacity == 0:
             return None
         cache_comm = comm.Dup()
         runner = Executor(cache_comm, self.table, config.allreduce_algorithm, on_join=self._joined,
-                          result_pool=False,
                           on_fatal=self.fail, nice=config.background_nice, across_hosts=self.cross_size > 1,
-                          local_size=self.local_size)
+                          local_size=self.local_size, result_pool=False)
         runner.results = self.executor.results  # one pool: a result may come from either path
         cache = ResponseCache(cache_comm, runner, config.cache_capacity, config.fusion_threshold_bytes,
                               config.cycle_time_ms / 1000.0, negotiate=lambda requests: self.outbox.add(requests, True),

@@ -124,11 +124,6 @@ class _Batch:
         self.shapes = [slot.template.shapes[0] for slot in slots]
 
 
-@dataclasses.dataclass
-class _Ready:
-    slot: _Slot
-    hit: "_Hit"
-
 
 @dataclasses.dataclass
 class _Hit:
@@ -392,7 +387,11 @@ class ResponseCache:
     def _give_up(self) -> None:
         """Under the lock: a rank left; every hit here goes to the coordinator, which fails it."""
         log.info("rank %d: response cache stopped: %s", self.rank, self._peer_left)
-        hits = list(self._pending.values()) + [h for hits in self._waiting.values() for h in hits]
+        self._withdraw_all()
+
+    def _withdraw_all(self) -> None:
+        """Under the lock, between cycles: every hit of this rank goes to the coordinator."""
+        hits = list(self._pending.values()) + [hit for waiting in self._waiting.values() for hit in waiting]
         self._pending.clear()
         self._waiting.clear()
         for hit in hits:
@@ -458,12 +457,16 @@ class ResponseCache:
             vector[_HEADER + slot] = 1
         return vector
 
-    def _apply(self, result: np.ndarray) -> List[_Ready]:
-        """Under the lock: act on a cycle's result, as every rank does. Returns the hits to run."""
+    def _apply(self, result: np.ndarray) -> List[_Slot]:
+        """Under the lock: act on a cycle's result, as every rank does. Returns the slots to run
+        (their entries wait in the tensor table, where the executor takes them by name)."""
         self._cycle_number += 1
-        ready = [_Ready(self._slots[slot], self._pending.pop(slot)) for slot in np.flatnonzero(result[_HEADER:]).tolist()]
-        for item in ready:
-            item.slot.last_run = self._cycle_number
+        numbers = np.flatnonzero(result[_HEADER:]).tolist()
+        for number in numbers:
+            del self._pending[number]
+        ready = [self._slots[number] for number in numbers]
+        for slot in ready:
+            slot.last_run = self._cycle_number
         if ready:
             self._last_activity = time.monotonic()
         if not (self._pending or self._waiting):
@@ -471,10 +474,7 @@ class ResponseCache:
         # A join round that has already ended here (its JOIN response came first) is no reason.
         if result[_JOIN_ROUND] == self._joins_completed and not self._suspended:
             self._suspended = True
-            for hit in list(self._pending.values()) + [h for hits in self._waiting.values() for h in hits]:
-                self._withdraw(hit)
-            self._pending.clear()
-            self._waiting.clear()
+            self._withdraw_all()
         for _ in range(int(result[_QUEUED])):
             self._insert(*self._queued.popleft())
         if result[_CLOSING]:
@@ -532,22 +532,21 @@ class ResponseCache:
             self._withdraw(hit)
 
     # ------------------------------------------------------------- running
-    def _run_slots(self, ready: List[_Ready]) -> bool:
+    def _run_slots(self, ready: List[_Slot]) -> bool:
         """Run the ready slots in slot order: allreduces fused while they agree, the rest one by one.
 
         False if one failed (the executor has failed its handles and the job).
         """
         batch: List[_Slot] = []
         batch_bytes = 0
-        for item in ready:
-            nbytes = item.slot.nbytes
-            if batch and (item.slot.fuse_key is None or item.slot.fuse_key != batch[0].fuse_key
-                          or batch_bytes + nbytes > self._fusion_threshold):
+        for slot in ready:
+            if batch and (slot.fuse_key is None or slot.fuse_key != batch[0].fuse_key
+                          or batch_bytes + slot.nbytes > self._fusion_threshold):
                 if not self._run_batch(batch):
                     return False
                 batch, batch_bytes = [], 0
-            batch.append(item.slot)
-            batch_bytes += nbytes
+            batch.append(slot)
+            batch_bytes += slot.nbytes
         return self._run_batch(batch) if batch else True
 
     def _run_batch(self, batch: List[_Slot]) -> bool:
