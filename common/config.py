@@ -63,6 +63,9 @@ class Config:
         autotune_warmup_samples: samples measured and discarded before the search (default 3).
         autotune_steps_per_sample: a sample ends when one tensor name has been reduced this
             many times in it (about that many training steps; default 10).
+        gpu_transport: how collectives of CUDA tensors move data: ``"auto"`` (chosen from where
+            the ranks and GPUs are, logged once), ``"nccl"``, ``"ipc"``, ``"mpi"`` (a CUDA-aware
+            MPI) or ``"staged"`` (see ``ringmaster.ops.gpu``).
         result_pool: out-of-place allreduces of large tensors write into memory released by the
             caller's earlier results instead of fresh pages (``ringmaster.worker.runtime.result_memory``).
     """
@@ -94,6 +97,7 @@ class Config:
     autotune_warmup_samples: int = 3
     autotune_steps_per_sample: int = 10
     result_pool: bool = True
+    gpu_transport: str = "auto"
 
 
 # environment variable -> (Config field, parser)
@@ -205,6 +209,15 @@ def _algorithm(value: str) -> str:
     return value
 
 
+def _gpu_transport(value: str) -> str:
+    from ringmaster.ops.gpu.placement import TRANSPORTS
+
+    value = value.strip().lower()
+    if value not in TRANSPORTS:
+        raise ValueError(f"must be one of {', '.join(TRANSPORTS)}")
+    return value
+
+
 ENVIRONMENT = {
     "RINGMASTER_COORDINATOR_ADDR": ("coordinator_addr", _text),
     "RINGMASTER_SECRET": ("secret", _text),
@@ -230,6 +243,7 @@ ENVIRONMENT = {
     "RINGMASTER_AUTOTUNE_WARMUP_SAMPLES": ("autotune_warmup_samples", _nonnegative_int),
     "RINGMASTER_AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", _positive_int),
     "RINGMASTER_RESULT_POOL": ("result_pool", _switch),
+    "RINGMASTER_GPU_TRANSPORT": ("gpu_transport", _gpu_transport),
 }
 
 

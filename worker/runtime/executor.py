@@ -29,11 +29,12 @@ import torch
 from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
+from ringmaster.worker.runtime.device import Devices, ready_event
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
 from ringmaster.worker.runtime.gradient_plan import overlaps_all
 from ringmaster.worker.runtime.handles import Handle
 from ringmaster.worker.runtime.result_memory import ResultPool
-from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, byte_array, flat_array, reduction_dtype
+from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -63,6 +64,12 @@ class Entry:
     returns: Optional[torch.Tensor] = None    # in place: the caller's own tensor, handed back
     process_set_id: int = 0                  # the set that runs it (0: every rank)
     cache_key: Optional[tuple] = None        # its signature, if the response cache may run it again
+    #: CUDA tensors: an event on the producing stream, recorded at submission (device.ready_event).
+    ready_event: object = None
+
+    def __post_init__(self):
+        if self.ready_event is None:
+            self.ready_event = ready_event(self.tensor)
 
 
 class TensorTable:
@@ -87,6 +94,15 @@ class TensorTable:
 
     def drop(self, process_set_id: int, name: str) -> None:
         self.take(process_set_id, name)
+
+    def device_index(self, process_set_id: int, names) -> Optional[int]:
+        """The GPU of the first of ``names`` in flight here that is a CUDA tensor (else None)."""
+        with self._lock:
+            for name in names:
+                entry = self._entries.get((process_set_id, name))
+                if entry is not None and getattr(entry.tensor, "is_cuda", False):
+                    return entry.tensor.device.index
+        return None
 
     def cache_keys(self, process_set_id: int, names) -> Dict[str, Optional[tuple]]:
         """The cache key of each of ``names`` in flight here (a name not here: None)."""
@@ -120,13 +136,14 @@ class Executor:
             and how many ranks share this host (for "auto").
         result_pool: out-of-place results of 1 MiB or more reuse memory the caller released
             (``RINGMASTER_RESULT_POOL``; see ``result_memory.py``).
+        gpu_transport: how CUDA tensors move (``RINGMASTER_GPU_TRANSPORT``; see ``device.py``).
     """
 
     def __init__(self, comm, table: TensorTable, allreduce_algorithm: str,
                  on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0,
                  on_join_counted: Callable[[], None] = lambda: None,
                  across_hosts: bool = False, plan_overlap: str = "all", local_size: int = 1,
-                 result_pool: bool = True):
+                 result_pool: bool = True, gpu_transport: str = "auto"):
         self.nice = nice
         self._plan_overlap = plan_overlap
         self._local_size = local_size
@@ -144,9 +161,9 @@ class Executor:
         self._on_fatal = on_fatal
         self._queue: "queue.Queue" = queue.Queue()
         self._expected_sequence = 1
-        self._fusion: Dict[torch.dtype, torch.Tensor] = {}
-        # Out-of-place results: in memory the caller released (no fresh pages to fault in), or new.
-        self.results: Optional[ResultPool] = ResultPool() if result_pool else None
+        self._fusion: Dict[tuple, torch.Tensor] = {}  # by (dtype, device)
+        # Out-of-place CPU results: in memory the caller released (no fresh pages to fault in), or new.
+        self._devices = Devices(self.segment_bytes, ResultPool() if result_pool else None, gpu_transport)
         # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.
         self._plans: Dict[tuple, object] = {}
         self._attached_plans: List[object] = []  # plans given a communicator of their own, to free at the end
@@ -162,6 +179,15 @@ class Executor:
             pb.PROCESS_SET_ADD: self._add_process_set, pb.PROCESS_SET_REMOVE: self._remove_process_set,
             pb.AUTOTUNE: self._autotune,
         }
+
+    @property
+    def results(self) -> Optional[ResultPool]:
+        """The pool out-of-place CPU results come from (None: fresh memory each time)."""
+        return self._devices.host.results
+
+    @results.setter
+    def results(self, pool: Optional[ResultPool]) -> None:
+        self._devices.host.results = pool
 
     def start(self) -> None:
         self._thread.start()
@@ -277,7 +303,10 @@ class Executor:
         group = self._sets.get(response.process_set_id)
         if group is None:
             return  # a set this rank is not a member of
-        self._run_response[response.op_type](response, group)
+        device = self._devices.for_response(
+            response.device, self.table.device_index(response.process_set_id, response.names))
+        with device.scope():
+            self._run_response[response.op_type](response, group, device)
 
     def _tell_cache(self, response: pb.Response) -> None:
         """Pass on what the response cache learns from the coordinator's order (before running it)."""
@@ -296,22 +325,27 @@ class Executor:
             if entry is not None:
                 entry.handle.set_error(error)
 
-    def _take(self, response: pb.Response, name: str) -> Optional[Entry]:
-        return self.table.take(response.process_set_id, name)
+    def _take(self, response: pb.Response, name: str, device=None) -> Optional[Entry]:
+        """The entry of ``name`` (None: this rank joined); with ``device``, readable on its stream."""
+        entry = self.table.take(response.process_set_id, name)
+        if entry is not None and device is not None:
+            device.ready(entry)
+        return entry
 
     @staticmethod
-    def _complete(entry: Entry, result) -> None:
+    def _complete(entry: Entry, result, device=None) -> None:
         if entry.copy_back is not None:
             entry.copy_back.copy_(result)
-        entry.handle.set_result(result if entry.returns is None else entry.returns, entry.part)
+        entry.handle.set_result(result if entry.returns is None else entry.returns, entry.part,
+                                None if device is None else device.completion())
 
     # ------------------------------------------------------------- allreduce
-    def _allreduce(self, response: pb.Response, group: SetComm) -> None:
+    def _allreduce(self, response: pb.Response, group: SetComm, device) -> None:
         if response.compression:
-            self._allreduce_quantized(response, group)
+            self._allreduce_quantized(response, group, device)
             return
         dtype = SUPPORTED_DTYPES[response.dtype]
-        entries = [self._take(response, name) for name in response.names]
+        entries = [self._take(response, name, device) for name in response.names]
         shapes = [tuple(shape.dims) for shape in response.shapes]
         wire_dtype = reduction_dtype(dtype)
         if wire_dtype == dtype:
@@ -322,7 +356,7 @@ class Executor:
                      for shape in shapes]
             for entry, shape, single in zip(entries, shapes, alone):
                 if single:
-                    self._allreduce_alone(entry, shape, dtype, response, group)
+                    self._allreduce_alone(entry, shape, dtype, response, group, device)
             if all(alone):
                 return
             entries = [entry for entry, single in zip(entries, alone) if not single]
@@ -333,43 +367,36 @@ class Executor:
             # All out of place: reduce in a result buffer and hand out views of it. It is reused
             # only once no view of it is left (result_memory.py), so results alias nothing; and
             # there is nothing to copy out.
-            result = self._new_result((sum(sizes),), dtype)
+            result = device.new_result((sum(sizes),), dtype)
             torch.cat([entry.tensor.reshape(-1) for entry in entries], out=result)
-            self._reduce_in_place(result, response, group)
+            self._reduce_in_place(result, response, group, device)
             for entry, part, shape in zip(entries, result.split(sizes), shapes):
-                self._complete(entry, part.view(shape))
+                self._complete(entry, part.view(shape), device)
             return
-        buffer = self._fusion_buffer(wire_dtype, sum(sizes))
-        recording = timeline.active()
-        if recording is not None:
-            recording.begin(response.names, "MEMCPY_IN_FUSION_BUFFER")
-        if everyone:
-            torch.cat([entry.tensor.reshape(-1) for entry in entries], out=buffer)  # one op, not one per tensor
-        else:
-            for entry, part in zip(entries, buffer.split(sizes)):
-                if entry is None:  # this rank joined: contribute the reduction's identity
-                    part.fill_(_identity(response.reduce_op, wire_dtype))
-                else:
-                    part.copy_(entry.tensor.reshape(-1))
-        if recording is not None:
-            recording.end(response.names)
-        self._reduce_in_place(buffer, response, group)
-        if recording is not None:
-            recording.begin(response.names, "MEMCPY_OUT_FUSION_BUFFER")
-        done = _copy_out(entries, buffer, sizes, shapes, dtype)
-        if recording is not None:
-            recording.end(response.names)
+        buffer = self._fusion_buffer(wire_dtype, sum(sizes), device)
+        with timeline.span(response.names, "MEMCPY_IN_FUSION_BUFFER"):
+            if everyone:
+                torch.cat([entry.tensor.reshape(-1) for entry in entries], out=buffer)  # one op, not one per tensor
+            else:
+                for entry, part in zip(entries, buffer.split(sizes)):
+                    if entry is None:  # this rank joined: contribute the reduction's identity
+                        part.fill_(_identity(response.reduce_op, wire_dtype))
+                    else:
+                        part.copy_(entry.tensor.reshape(-1))
+        self._reduce_in_place(buffer, response, group, device)
+        with timeline.span(response.names, "MEMCPY_OUT_FUSION_BUFFER"):
+            done = _copy_out(entries, buffer, sizes, shapes, dtype)
         # Complete only after every copy: a woken caller would otherwise fight this thread for the GIL.
         for entry, result in done:
-            self._complete(entry, result)
+            self._complete(entry, result, device)
 
-    def _allreduce_quantized(self, response: pb.Response, group: SetComm) -> None:
+    def _allreduce_quantized(self, response: pb.Response, group: SetComm, device) -> None:
         """Allreduce in float32 while every ring step moves 8-bit codes (``response.compression``)."""
         dtype = SUPPORTED_DTYPES[response.dtype]
-        entries = [self._take(response, name) for name in response.names]
+        entries = [self._take(response, name, device) for name in response.names]
         shapes = [tuple(shape.dims) for shape in response.shapes]
         sizes = [math.prod(shape) for shape in shapes]
-        buffer = self._fusion_buffer(torch.float32, sum(sizes))
+        buffer = self._fusion_buffer(torch.float32, sum(sizes), device)
         for entry, part in zip(entries, buffer.split(sizes)):
             if entry is None:  # this rank joined: it adds zeros
                 part.zero_()
@@ -379,60 +406,48 @@ class Executor:
             buffer.mul_(response.prescale_factor)
         scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
             else response.postscale_factor
-        recording = timeline.active()
-        if recording is not None:
-            recording.begin(response.names, f"QUANTIZED_RING_ALLREDUCE_{response.compression.upper()}")
-        ops.quantized_ring_allreduce(group.comm, flat_array(buffer), _ring_codec(response.compression),
-                                     scale=scale)
-        if recording is not None:
-            recording.end(response.names)
+        with timeline.span(response.names, f"QUANTIZED_RING_ALLREDUCE_{response.compression.upper()}"):
+            device.transport(group).quantized_allreduce(device.array(buffer), _ring_codec(response.compression),
+                                                        scale=scale)
         for entry, result in _copy_out(entries, buffer, sizes, shapes, dtype):
-            self._complete(entry, result)
+            self._complete(entry, result, device)
 
     def _allreduce_alone(self, entry: Optional[Entry], shape, dtype: torch.dtype, response: pb.Response,
-                         group: SetComm) -> None:
+                         group: SetComm, device) -> None:
         """Allreduce one tensor in its own buffer: in place, or from its input into a new one."""
         source = None
         if entry is None:  # this rank joined: contribute the reduction's identity
-            output = torch.full(shape, _identity(response.reduce_op, dtype), dtype=dtype)
+            output = device.empty(shape, dtype).fill_(_identity(response.reduce_op, dtype))
         elif entry.output is not None:
             output = entry.output
         else:  # out of place: the result is a new tensor
-            output = self._new_result(tuple(entry.tensor.shape), dtype)
-            if response.prescale_factor == 1.0:
-                source = entry.tensor.reshape(-1)  # reduce straight from the input: no copy
+            output = device.new_result(tuple(entry.tensor.shape), dtype)
+            if response.prescale_factor == 1.0 and device.kind == "cpu":
+                source = entry.tensor.reshape(-1)  # the host ring reduces straight from the input: no copy
             else:
                 output.copy_(entry.tensor)
-        self._reduce_in_place(output.reshape(-1), response, group, source)
+        self._reduce_in_place(output.reshape(-1), response, group, device, source)
         if entry is not None:
-            self._complete(entry, output)
+            self._complete(entry, output, device)
 
-    def _new_result(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """Memory for an out-of-place result, never memory a caller still holds (invariant 3)."""
-        if self.results is None:
-            return torch.empty(shape, dtype=dtype)
-        return self.results.empty(shape, dtype)
-
-    def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response, group: SetComm,
+    def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response, group: SetComm, device,
                          source: Optional[torch.Tensor] = None) -> None:
         """Allreduce into the 1-D contiguous ``flat`` (from ``source`` if given), with Horovod's scaling."""
         _scale_(flat, response.prescale_factor)
-        array, reduction = flat_array(flat), OPS_REDUCTION[response.reduce_op]
-        recording = timeline.active()
-        if recording is not None:
-            algorithm = self._algorithm_for(array, group.size, reduction)
-            if algorithm == "auto":
-                algorithm = ops.choose_algorithm(array.nbytes, group.size, array.dtype, reduction)
-            recording.begin(response.names, f"{algorithm.upper()}_ALLREDUCE")
+        array, reduction = device.array(flat), OPS_REDUCTION[response.reduce_op]
+        transport = device.transport(group)
+        algorithm = self._algorithm_for(array, group.size, reduction)
         scale = None
         if flat.dtype.is_floating_point:  # scaled inside the allreduce, chunk by chunk while in cache
             scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
                 else response.postscale_factor
-        ops.allreduce(group.comm, array, reduction, self._algorithm_for(array, group.size, reduction),
-                      source=None if source is None else flat_array(source), scale=scale,
-                      segment_bytes=self.segment_bytes)
-        if recording is not None:
-            recording.end(response.names)
+        label = transport.span_label(algorithm if algorithm != "auto" else ops.choose_algorithm(
+            array.nbytes, group.size, array.dtype, reduction)) if timeline.active() is not None else ""
+        with timeline.span(response.names, label):
+            if source is None:
+                transport.allreduce(array, reduction, scale=scale, algorithm=algorithm)
+            else:
+                transport.allreduce(array, reduction, scale=scale, algorithm=algorithm, source=device.array(source))
         if scale is None:
             self._postscale(flat, response, group.size)
 
@@ -455,65 +470,64 @@ class Executor:
         else:
             _scale_(flat, response.postscale_factor)
 
-    def _fusion_buffer(self, dtype: torch.dtype, count: int) -> torch.Tensor:
-        buffer = self._fusion.get(dtype)
+    def _fusion_buffer(self, dtype: torch.dtype, count: int, device) -> torch.Tensor:
+        key = (dtype, device.kind)
+        buffer = self._fusion.get(key)
         if buffer is None or buffer.numel() < count:
-            buffer = torch.empty(max(count, 1024), dtype=dtype)
-            self._fusion[dtype] = buffer
+            buffer = device.empty(max(count, 1024), dtype)
+            self._fusion[key] = buffer
         return buffer[:count]
 
     # --------------------------------------------------------- data movement
-    def _allgather(self, response: pb.Response, group: SetComm) -> None:
+    def _allgather(self, response: pb.Response, group: SetComm, device) -> None:
         name = response.names[0]
-        entry = self._take(response, name)
+        entry = self._take(response, name, device)
         dtype = SUPPORTED_DTYPES[response.dtype]
         row_shape = tuple(response.shapes[0].dims[1:])
         first_dims = list(response.first_dims)
         row_bytes = math.prod(row_shape) * dtype.itemsize
-        output = torch.empty((sum(first_dims), *row_shape), dtype=dtype)
-        send = byte_array(entry.tensor) if entry is not None else np.empty(0, dtype=np.uint8)
-        received = ops.allgatherv(group.comm, send, [d * row_bytes for d in first_dims])
-        byte_array(output)[:] = received
+        output = device.empty((sum(first_dims), *row_shape), dtype)
+        send = device.bytes_of(entry.tensor if entry is not None else device.empty((0,), torch.uint8))
+        device.transport(group).allgatherv(send, device.bytes_of(output), [d * row_bytes for d in first_dims])
         if entry is not None:
-            self._complete(entry, output)
+            self._complete(entry, output, device)
 
-    def _broadcast(self, response: pb.Response, group: SetComm) -> None:
-        entry = self._take(response, response.names[0])
+    def _broadcast(self, response: pb.Response, group: SetComm, device) -> None:
+        entry = self._take(response, response.names[0], device)
         root = group.ranks.index(response.root_rank)  # root_rank is global; the set's communicator counts from 0
         if entry.output is not entry.tensor and group.rank == root:
             entry.output.copy_(entry.tensor)
-        ops.broadcast(group.comm, byte_array(entry.output), root)
-        self._complete(entry, entry.output)
+        device.transport(group).broadcast(device.bytes_of(entry.output), root)
+        self._complete(entry, entry.output, device)
 
-    def _alltoall(self, response: pb.Response, group: SetComm) -> None:
-        entry = self._take(response, response.names[0])
+    def _alltoall(self, response: pb.Response, group: SetComm, device) -> None:
+        entry = self._take(response, response.names[0], device)
         dtype = entry.tensor.dtype
         row_shape = tuple(entry.tensor.shape[1:])
         row_bytes = math.prod(row_shape) * dtype.itemsize
         splits = np.asarray(response.splits, dtype=np.int64).reshape(group.size, group.size)
         send_rows, receive_rows = splits[group.rank], splits[:, group.rank]
-        output = torch.empty((int(receive_rows.sum()), *row_shape), dtype=dtype)
-        received = ops.alltoallv(group.comm, byte_array(entry.tensor),
-                                 (send_rows * row_bytes).tolist(), (receive_rows * row_bytes).tolist())
-        byte_array(output)[:] = received
-        self._complete(entry, (output, torch.from_numpy(receive_rows.astype(np.int32))))
+        output = device.empty((int(receive_rows.sum()), *row_shape), dtype)
+        device.transport(group).alltoallv(device.bytes_of(entry.tensor), device.bytes_of(output),
+                                          (send_rows * row_bytes).tolist(), (receive_rows * row_bytes).tolist())
+        self._complete(entry, (output, torch.from_numpy(receive_rows.astype(np.int32))), device)
 
-    def _reducescatter(self, response: pb.Response, group: SetComm) -> None:
-        entry = self._take(response, response.names[0])
+    def _reducescatter(self, response: pb.Response, group: SetComm, device) -> None:
+        entry = self._take(response, response.names[0], device)
         tensor = entry.tensor
         wire_dtype = reduction_dtype(tensor.dtype)
         rows = reducescatter_rows(tensor.shape[0], group.size)
         row_count = math.prod(tensor.shape[1:])
         work = tensor.to(wire_dtype).reshape(-1).clone()
         _scale_(work, response.prescale_factor)
-        part = ops.reducescatter(group.comm, flat_array(work), OPS_REDUCTION[response.reduce_op],
-                                 [r * row_count for r in rows])
-        result = torch.from_numpy(np.ascontiguousarray(part)).clone()
+        result = device.empty((rows[group.rank] * row_count,), wire_dtype)
+        device.transport(group).reducescatter(device.array(work), device.array(result),
+                                              OPS_REDUCTION[response.reduce_op], [r * row_count for r in rows])
         self._postscale(result, response, group.size)
-        self._complete(entry, result.reshape(rows[group.rank], *tensor.shape[1:]).to(tensor.dtype))
+        self._complete(entry, result.reshape(rows[group.rank], *tensor.shape[1:]).to(tensor.dtype), device)
 
     # ------------------------------------------------------------- control
-    def _barrier(self, response: pb.Response, group: SetComm) -> None:
+    def _barrier(self, response: pb.Response, group: SetComm, device=None) -> None:
         # The coordinator answers only once every member has arrived: that is the barrier.
         entry = self._take(response, response.names[0])
         plan = self._plans.get((response.process_set_id, response.names[0]))
@@ -533,12 +547,12 @@ class Executor:
         if entry is not None:
             self._complete(entry, None)
 
-    def _autotune(self, response: pb.Response, group: SetComm) -> None:
+    def _autotune(self, response: pb.Response, group: SetComm, device=None) -> None:
         """Rank 0's autotuned settings: every rank applies them here, at the same place in the order."""
         if self.autotune is not None:
             self.autotune.apply(response.tuning, self._expected_sequence - 1)
 
-    def _join(self, response: pb.Response, group: SetComm) -> None:
+    def _join(self, response: pb.Response, group: SetComm, device=None) -> None:
         if response.last_joined_rank < 0:  # the coordinator counted a rank's join (it announces each)
             if self.rank in response.joined_ranks:
                 self._on_join_counted()
@@ -547,7 +561,7 @@ class Executor:
         self._on_join(response.last_joined_rank)
 
     # -------------------------------------------------------- process sets
-    def _add_process_set(self, response: pb.Response, group: SetComm) -> None:
+    def _add_process_set(self, response: pb.Response, group: SetComm, device=None) -> None:
         """Split the new set's communicator from the job's: every rank runs this, in the same order."""
         from mpi4py import MPI
 
@@ -561,10 +575,11 @@ class Executor:
         if entry is not None:
             self._complete(entry, spec.id)
 
-    def _remove_process_set(self, response: pb.Response, group: SetComm) -> None:
+    def _remove_process_set(self, response: pb.Response, group: SetComm, device=None) -> None:
         """Free the set's communicator; the coordinator sends nothing for the set after this."""
         removed = self._sets.pop(response.set_change.id, None)
         if removed is not None:
+            self._devices.forget(removed.comm)
             removed.comm.Free()
         entry = self._take(response, response.names[0])
         if entry is not None:

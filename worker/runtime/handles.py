@@ -12,7 +12,8 @@ from ringmaster.worker.runtime.errors import RingmasterError
 class Handle:
     """The pending result of one collective (or one group of collectives)."""
 
-    __slots__ = ("id", "name", "_gate", "_finished", "_result", "_error", "_remaining", "_lock", "_finish")
+    __slots__ = ("id", "name", "_gate", "_finished", "_result", "_error", "_remaining", "_lock", "_finish",
+                 "_events")
 
     def __init__(self, handle_id: int, name: str, parts: int = 1, finish=None, as_list: bool = False):
         self.id = handle_id
@@ -27,11 +28,15 @@ class Handle:
         self._remaining = parts
         self._lock = threading.Lock()
         self._finish = finish  # applied once, in the waiting thread, to the result
+        self._events = None  # CUDA results: events the waiting thread's stream must wait on
 
-    def set_result(self, value: Any, part: int = 0) -> None:
+    def set_result(self, value: Any, part: int = 0, event=None) -> None:
+        """Record ``value`` (part ``part`` of a grouped handle); ``event``: a CUDA event after which it is valid."""
         with self._lock:
             if self._finished:
                 return
+            if event is not None:
+                self._events = [event] if self._events is None else self._events + [event]
             if isinstance(self._result, list):
                 self._result[part] = value
             else:
@@ -58,6 +63,12 @@ class Handle:
                 pass
         if self._error is not None:
             raise type(self._error)(str(self._error)) if isinstance(self._error, RingmasterError) else self._error
+        if self._events is not None:
+            # A GPU result is complete in stream order: the caller's stream waits for it, the host does not.
+            from ringmaster.worker.runtime.device import caller_waits
+
+            events, self._events = self._events, None
+            caller_waits(events, self._result)
         if self._finish is not None:
             self._result, self._finish = self._finish(self._result), None
         return self._result

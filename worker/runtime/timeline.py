@@ -128,6 +128,28 @@ def active() -> Optional[Timeline]:
     return _active
 
 
+class span:
+    """``with span(names, activity):`` records one span per name around the block, in the
+    style of torch's ``record_function``; the span closes when the block raises too.
+    Without an active timeline it costs one attribute read."""
+
+    __slots__ = ("_names", "_activity", "_recording")
+
+    def __init__(self, names, activity: str):
+        self._names, self._activity = names, activity
+        self._recording = None
+
+    def __enter__(self) -> "span":
+        self._recording = _active
+        if self._recording is not None:
+            self._recording.begin(self._names, self._activity)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._recording is not None:
+            self._recording.end(self._names)
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start recording this rank's timeline to ``file_path`` (Chrome tracing JSON).
 

@@ -1,0 +1,107 @@
+"""The ipc transport: ranks of one host that share a GPU reduce in each other's memory.
+
+NCCL refuses two ranks on one GPU; CUDA IPC does not. Each rank allocates a transfer
+buffer with ``cudaMalloc`` (IPC handles name whole allocations, so not from a pool),
+and the ranks exchange its handle over MPI once per growth of the buffer. Allreduce of
+``n`` elements over ``p`` ranks, chunk r owned by rank r:
+
+1. copy the input into the own transfer buffer; MPI barrier (every input is there);
+2. reduce-scatter: rank r adds chunk r of every peer's buffer into its own chunk r, in
+   rank order (and scales it); MPI barrier (every chunk is final);
+3. allgather: rank r copies chunk q of rank q's buffer into its output, for every q;
+   MPI barrier (no rank rewrites its buffer while a peer still reads it).
+
+Each chunk is reduced by exactly one rank, so all ranks hold bit-identical results.
+Before each barrier the rank waits for its own stream, since the peers read what its
+kernels wrote. The other collectives are inherited from the staged transport.
+"""
+
+from __future__ import annotations
+
+from ringmaster.ops.ring import chunk_bounds
+
+from .reductions import as_reducible, combine
+from .staged import StagedTransport
+
+
+class IpcTransport(StagedTransport):
+    """Allreduce through CUDA IPC between the ranks of one host (see the module docstring)."""
+
+    name = "ipc"
+
+    def __init__(self, comm, stream, device_id: int, engine=None):
+        super().__init__(comm, stream, device_id, engine)
+        import cupy
+
+        self._cupy = cupy
+        self._capacity = 0
+        self._own_pointer = 0
+        self._peer_pointers = {}  # rank -> pointer opened from its handle
+
+    def allreduce(self, array, op: str = "sum", scale=None, algorithm: str = "auto") -> None:
+        if self.size == 1 or array.size == 0:
+            if scale is not None and scale != 1.0 and array.size:
+                with self.stream:
+                    array *= scale
+            return
+        array, op = as_reducible(array, op)
+        self._reserve(array.nbytes)
+        cupy, add = self._cupy, combine(op)
+        views = [self._view(rank, array) for rank in range(self.size)]
+        bounds = chunk_bounds(array.size, self.size)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        with self.stream:
+            cupy.copyto(views[self.rank], array)
+            self._barrier()
+            own = views[self.rank][lo:hi]
+            for rank in range(self.size):
+                if rank != self.rank:
+                    add(own, views[rank][lo:hi], out=own)
+            if scale is not None and scale != 1.0:
+                own *= scale
+            self._barrier()
+            for rank in range(self.size):
+                start, stop = bounds[rank], bounds[rank + 1]
+                cupy.copyto(array[start:stop], views[rank][start:stop])
+            self._barrier()
+
+    def close(self) -> None:
+        self._release()
+
+    # -------------------------------------------------------------- helpers
+    def _barrier(self) -> None:
+        """Every rank's queued kernels are done (the peers read what they wrote)."""
+        self.stream.synchronize()
+        self.comm.Barrier()
+
+    def _view(self, rank: int, like):
+        """Rank ``rank``'s transfer buffer as an array shaped and typed like ``like``."""
+        cupy = self._cupy
+        pointer = self._own_pointer if rank == self.rank else self._peer_pointers[rank]
+        memory = cupy.cuda.UnownedMemory(pointer, self._capacity, self, self.device_id)
+        return cupy.ndarray(like.shape, like.dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+    def _reserve(self, nbytes: int) -> None:
+        """Grow the transfer buffers to ``nbytes`` (a collective: every rank grows at the same call)."""
+        if nbytes <= self._capacity:
+            return
+        self._release()
+        runtime = self._cupy.cuda.runtime
+        capacity = max(nbytes, 1 << 20)
+        self._own_pointer = runtime.malloc(capacity)
+        self._capacity = capacity
+        handles = self.comm.allgather(bytes(runtime.ipcGetMemHandle(self._own_pointer)))
+        self._peer_pointers = {rank: runtime.ipcOpenMemHandle(handle)
+                               for rank, handle in enumerate(handles) if rank != self.rank}
+
+    def _release(self) -> None:
+        if not self._capacity:
+            return
+        runtime = self._cupy.cuda.runtime
+        self.stream.synchronize()
+        for pointer in self._peer_pointers.values():
+            runtime.ipcCloseMemHandle(pointer)
+        self._peer_pointers = {}
+        self.comm.Barrier()  # every peer has closed its mapping of our buffer
+        runtime.free(self._own_pointer)
+        self._own_pointer, self._capacity = 0, 0
