@@ -237,3 +237,14 @@ def test_a_cache_wake_concerns_the_whole_job(field):
     negotiator.add_request(0, pb.TensorRequest(name="cache.wake", op_type=pb.CACHE_WAKE, **field))
     [refused] = negotiator.pop_ready()
     assert refused.error_kind == pb.INVALID_REQUEST and "cache_wake" in refused.error_message
+
+
+def test_a_tensor_on_the_cpu_of_one_rank_and_the_gpu_of_another_is_a_mismatch_naming_both():
+    negotiator = Negotiator(2)
+    for rank, device in enumerate(("cpu", "cuda")):
+        negotiator.add_request(rank, pb.TensorRequest(name="t", op_type=pb.ALLREDUCE, reduce_op=pb.SUM,
+                                                      dtype="float32", shape=[4], device=device,
+                                                      prescale_factor=1.0, postscale_factor=1.0))
+    [response] = negotiator.pop_ready()
+    assert response.error_kind == pb.MISMATCH
+    assert "device differs: rank 0: 'cpu'; rank 1: 'cuda'" in response.error_message

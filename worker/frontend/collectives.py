@@ -57,9 +57,9 @@ def _check_tensor(tensor, what: str) -> torch.Tensor:
     """Validate ``tensor`` for ``what``; return its data (detached, same storage)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{what}: tensors on {tensor.device} are not supported yet; move it to the CPU "
-                         f"with .cpu() (GPU support is planned)")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: tensors on {tensor.device} are not supported; ringmaster reduces CPU and "
+                         f"CUDA tensors (move it with .cpu() or .cuda())")
     if tensor.is_sparse:
         raise ValueError(f"{what}: sparse tensors are not supported; pass tensor.to_dense()")
     dtype_name(tensor, what)

@@ -52,10 +52,6 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if not self.training or size() == 1:
             return super().forward(input)
-        if input.device.type != "cpu":
-            raise ValueError(f"SyncBatchNorm: inputs on {input.device} cannot be synchronized yet "
-                             f"(ringmaster's collectives move CPU tensors); move the module and its input "
-                             f"to the CPU with .cpu()")
         momentum = 0.0
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
@@ -84,7 +80,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         count = x.numel() // channels
         local_mean = x.sum(axes) / max(count, 1)
         local_m2 = (x - _channel_view(local_mean, dim)).square().sum(axes)
-        mine = torch.cat([torch.tensor([float(count)], dtype=torch.float64),
+        mine = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device),
                           local_mean.double(), local_m2.double()])
         gathered = allgather(mine.unsqueeze(0))  # one row per rank: count, C means, C m2s
         counts, means, m2s = gathered[:, :1], gathered[:, 1:1 + channels], gathered[:, 1 + channels:]

@@ -1,0 +1,75 @@
+"""The staged transport's schedule and collectives with host arrays standing in for device ones.
+
+Run under mpirun. ``HostCopyEngine`` makes the "device" copies NumPy copies and logs them,
+so the same code that runs on a GPU runs here: results are checked against NumPy
+references, and the order of the copies and waits against the pipeline's schedule.
+"""
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from job_report import Tally
+from ringmaster.ops.gpu.copies import HostCopyEngine
+from ringmaster.ops.gpu.staged import StagedTransport, staged_chunks
+
+comm = MPI.COMM_WORLD
+RANK, SIZE = comm.Get_rank(), comm.Get_size()
+TALLY = Tally(RANK)
+
+
+def inputs(count, dtype, salt=0):
+    return [np.random.default_rng(100 * r + salt).integers(0, 100, count).astype(dtype) for r in range(SIZE)]
+
+
+for count in (0, 1, 5, 300_000, 3_000_001):
+    for dtype in (np.float32, np.float64, np.int64, np.float16):
+        engine = HostCopyEngine()
+        transport = StagedTransport(comm, None, 0, engine=engine)
+        values = inputs(count, dtype, salt=count)
+        device = values[RANK].copy()
+        transport.allreduce(device, "sum", scale=0.5 if np.dtype(dtype).kind == "f" else None)
+        expected = sum(v.astype(np.float64) for v in values)
+        if np.dtype(dtype).kind == "f":
+            expected = expected * 0.5
+        tolerance = 1e-2 if dtype == np.float16 else 1e-6
+        TALLY.report(f"staged allreduce {count} {np.dtype(dtype)}",
+                     np.allclose(device.astype(np.float64), expected, rtol=tolerance), f"{device[:4]} vs {expected[:4]}")
+        if count == 0:
+            continue
+        chunks = len(staged_chunks(count, np.dtype(dtype).itemsize)) - 1
+        log = [entry[0] for entry in engine.log]
+        # Every chunk goes down before the first host reduction; then wait, reduce, up per chunk.
+        expected_log = ["start"] + ["to_host"] * chunks + ["wait", "to_device"] * chunks + ["finish"]
+        TALLY.report(f"staged schedule {count} {np.dtype(dtype)} ({chunks} chunks)", log == expected_log, str(log))
+
+TALLY.report("a 12 MB buffer is cut into several chunks", len(staged_chunks(3_000_001, 4)) - 1 > 1)
+
+transport = StagedTransport(comm, None, 0, engine=HostCopyEngine())
+counts = [3 * (r + 1) for r in range(SIZE)]
+sends = [np.full(counts[r], r + 1, dtype=np.uint8) for r in range(SIZE)]
+received = np.empty(sum(counts), dtype=np.uint8)
+transport.allgatherv(sends[RANK], received, counts)
+TALLY.report("staged allgatherv", np.array_equal(received, np.concatenate(sends)))
+
+root = SIZE - 1
+data = np.arange(10, dtype=np.uint8) + RANK
+transport.broadcast(data, root)
+TALLY.report("staged broadcast", np.array_equal(data, np.arange(10, dtype=np.uint8) + root))
+
+send_counts = [2] * SIZE
+send = np.repeat(np.arange(SIZE, dtype=np.uint8) + 10 * RANK, 2)
+received = np.empty(2 * SIZE, dtype=np.uint8)
+transport.alltoallv(send, received, send_counts, send_counts)
+TALLY.report("staged alltoallv", np.array_equal(received, np.repeat(np.arange(SIZE, dtype=np.uint8) * 10 + RANK, 2)))
+
+values = inputs(SIZE * 3 + 1, np.float32, salt=7)
+counts = [len(part) for part in np.array_split(np.arange(SIZE * 3 + 1), SIZE)]
+mine = np.empty(counts[RANK], dtype=np.float32)
+transport.reducescatter(values[RANK], mine, "sum", counts)
+start = sum(counts[:RANK])
+TALLY.report("staged reducescatter", np.allclose(mine, sum(values)[start:start + counts[RANK]]))
+
+TALLY.done()
+sys.exit(1 if TALLY.failures else 0)
