@@ -209,12 +209,14 @@ def _algorithm(value: str) -> str:
     return value
 
 
-def _gpu_transport(value: str) -> str:
-    from ringmaster.ops.gpu.placement import TRANSPORTS
+#: Values of RINGMASTER_GPU_TRANSPORT (see ringmaster.ops.gpu).
+GPU_TRANSPORTS = ("auto", "nccl", "ipc", "mpi", "staged")
 
+
+def _gpu_transport(value: str) -> str:
     value = value.strip().lower()
-    if value not in TRANSPORTS:
-        raise ValueError(f"must be one of {', '.join(TRANSPORTS)}")
+    if value not in GPU_TRANSPORTS:
+        raise ValueError(f"must be one of {', '.join(GPU_TRANSPORTS)}")
     return value
 
 

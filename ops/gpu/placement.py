@@ -19,7 +19,7 @@ import dataclasses
 from collections import Counter
 from typing import Sequence, Tuple
 
-TRANSPORTS = ("auto", "nccl", "ipc", "mpi", "staged")
+from ringmaster.common.config import GPU_TRANSPORTS as TRANSPORTS
 
 
 @dataclasses.dataclass(frozen=True)

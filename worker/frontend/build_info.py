@@ -31,8 +31,12 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> bool:
-    """False: ringmaster does not use NCCL."""
-    return False
+    """True when NCCL can carry GPU collectives here: CuPy is installed with NCCL."""
+    if not cuda_built():
+        return False
+    from ringmaster.ops.gpu.nccl import nccl_available
+
+    return nccl_available()
 
 
 def ddl_built() -> bool:
@@ -46,10 +50,14 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    """False: collectives take CPU tensors only in this version."""
-    return False
+    """True when collectives take CUDA tensors here: torch is a CUDA build and CuPy is installed."""
+    import importlib.util
+
+    import torch
+
+    return torch.version.cuda is not None and importlib.util.find_spec("cupy") is not None
 
 
 def rocm_built() -> bool:
-    """False: collectives take CPU tensors only in this version."""
+    """False: ringmaster's GPU path is CUDA only."""
     return False

