@@ -167,7 +167,7 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
 
     if single and not set_id:  # the response cache may run it again without negotiation
         source = entries[0].tensor
-        entries[0].cache_key = (pb.ALLREDUCE, base, source.dtype, source.shape, op, prescale_factor,
+        entries[0].cache_key = (pb.ALLREDUCE, base, source.device.type, source.dtype, source.shape, op, prescale_factor,
                                 postscale_factor, wire_format if source.dtype.is_floating_point else "")
     _submit_or_release(state, handle, entries, requests, flush)
     return handle.id
@@ -249,7 +249,7 @@ def _submit_single(kind: str, op_type: int, tensor, name, output=None, copy_back
     entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back, returns=returns,
                   process_set_id=set_id)
     if op_type == pb.BROADCAST and not set_id:  # the response cache may run it again without negotiation
-        entry.cache_key = (pb.BROADCAST, name, source.dtype, source.shape, fields["root_rank"])
+        entry.cache_key = (pb.BROADCAST, name, source.device.type, source.dtype, source.shape, fields["root_rank"])
     _submit_or_release(state, handle, [entry], lambda: [_request(name, op_type, source, set_id, **fields)], flush)
     return handle.id
 
