@@ -225,12 +225,15 @@ class Devices:
         self._gpu_transport = gpu_transport
         self._cuda: Optional[CudaDevice] = None
 
-    def for_response(self, device_name: str, tensors=()) -> object:
-        """The device a response with ``device_name`` ("cpu", "cuda") runs on."""
+    def for_response(self, device_name: str, index: Optional[int] = None) -> object:
+        """The device a response with ``device_name`` ("cpu", "cuda") runs on.
+
+        ``index``: the GPU of the response's tensors on this rank, if it has any; the first
+        CUDA response fixes this rank's GPU (one GPU per rank, as with Horovod).
+        """
         if device_name != "cuda":
             return self.host
         if self._cuda is None:
-            index = next((t.device.index for t in tensors if t is not None and t.is_cuda), None)
             self._cuda = CudaDevice(self._gpu_transport, torch.cuda.current_device() if index is None else index)
         return self._cuda
 
