@@ -100,6 +100,38 @@ for step, (x, y) in enumerate(batches(seed=9)):
     running = (synced.norm.running_mean - plain.norm.running_mean).abs().max().item()
     TALLY.report(f"SyncBatchNorm step {step}: running mean difference {running:.3g}", running <= 1e-5)
 
+
+
+def hybrid_run(device, scheme):
+    """Two HybridParallel steps on ``device``: (logits of step 2 on the CPU, full state on the CPU)."""
+    torch.manual_seed(3)
+    features = nn.Sequential(nn.Linear(6, 12), nn.Tanh())
+    classifier = nn.Sequential(nn.Linear(12, 10), nn.ReLU(), nn.Linear(10, 5))
+    model = rm.parallel.HybridParallel(features.to(device), classifier.to(device), scheme=scheme)
+    optimizer = rm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    logits = None
+    for x, y in batches(seed=11):
+        mine = slice(RANK * BATCH, (RANK + 1) * BATCH)
+        optimizer.zero_grad()
+        logits = model(x[mine].to(device))
+        nn.functional.cross_entropy(logits, (y[mine] % 5).to(device)).backward()
+        optimizer.step()
+    return logits.detach().cpu(), {k: v.detach().cpu() for k, v in model.full_state_dict().items()}
+
+
+if SIZE > 1:
+    for scheme in "abc":
+        try:
+            gpu_logits, gpu_state = hybrid_run(GPU, scheme)
+            cpu_logits, cpu_state = hybrid_run(torch.device("cpu"), scheme)
+            worst = max([(gpu_logits - cpu_logits).abs().max().item()]
+                        + [(gpu_state[k] - cpu_state[k]).abs().max().item() for k in cpu_state])
+            TALLY.report(f"HybridParallel scheme {scheme} on CUDA equals CPU: max difference {worst:.3g}",
+                         worst <= 1e-4)
+        except Exception as error:  # noqa: BLE001 - report and go on with the other checks
+            TALLY.report(f"HybridParallel scheme {scheme} on CUDA", False, f"{type(error).__name__}: {error}")
+
 rm.barrier()
 TALLY.done()
 rm.shutdown()
