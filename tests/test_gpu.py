@@ -31,23 +31,29 @@ def assert_all_passed(result, np):
     assert result.returncode == 0, result.output[-4000:]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("np,transport", [(1, "nccl"), (1, "ipc"), (1, "staged"), (2, "ipc"), (2, "staged"),
                                           (2, "auto")])
 def test_every_collective_on_cuda_matches_the_cpu_reference(np, transport):
     if transport == "nccl" and np > gpu_count():
         pytest.skip("NCCL needs a GPU per rank")
-    result = mpirun(np, COLLECTIVES, timeout=220, env={"RINGMASTER_GPU_TRANSPORT": transport})
+    result = mpirun(np, COLLECTIVES, timeout=120, env={"RINGMASTER_GPU_TRANSPORT": transport})
     assert_all_passed(result, np)
     if transport != "auto":
         assert f": {transport} (" in result.output  # rank 0 logs the transport it uses
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("np,transport", [(1, "auto"), (2, "ipc"), (2, "staged")])
 def test_distributed_training_on_cuda_equals_one_process_on_the_whole_batch(np, transport):
-    result = mpirun(np, TRAINING, timeout=220, env={"RINGMASTER_GPU_TRANSPORT": transport})
+    result = mpirun(np, TRAINING, timeout=100, env={"RINGMASTER_GPU_TRANSPORT": transport})
     assert_all_passed(result, np)
+
+
+@pytest.mark.timeout(90)
+def test_hybrid_parallel_on_cuda_equals_the_same_on_the_cpu():
+    result = mpirun(2, TRAINING, timeout=75, args=["hybrid"])
+    assert_all_passed(result, 2)
 
 
 @pytest.mark.timeout(120)
@@ -60,7 +66,7 @@ def test_forcing_mpi_on_an_mpi_that_is_not_cuda_aware_is_a_clear_error():
         import torch, ringmaster as rm
         rm.init()
         rm.allreduce(torch.ones(4, device="cuda"))
-    """, timeout=100, env={"RINGMASTER_GPU_TRANSPORT": "mpi"})
+    """, timeout=60, env={"RINGMASTER_GPU_TRANSPORT": "mpi"})
     assert result.returncode != 0
     assert "RINGMASTER_GPU_TRANSPORT=mpi: this MPI library is not CUDA-aware" in result.output, result.output[-3000:]
 
@@ -73,6 +79,6 @@ def test_nccl_refuses_two_ranks_on_one_gpu_with_the_alternatives():
         import torch, ringmaster as rm
         rm.init()
         rm.allreduce(torch.ones(4, device="cuda"))
-    """, timeout=100, env={"RINGMASTER_GPU_TRANSPORT": "nccl"})
+    """, timeout=60, env={"RINGMASTER_GPU_TRANSPORT": "nccl"})
     assert result.returncode != 0
     assert "share GPU" in result.output and "use ipc" in result.output, result.output[-3000:]

@@ -29,7 +29,7 @@ cat "$out/environment.txt"
 
 status=0
 tests=$(ls tests/test_gpu*.py)
-timeout 330 "$python" -m pytest -m cuda -p no:cacheprovider -q -rfEs --timeout 240 $tests 2>&1 | tee "$out/tests.txt" | tail -40
+timeout 300 "$python" -m pytest -m cuda -p no:cacheprovider -q -rfEs --timeout 240 $tests 2>&1 | tee "$out/tests.txt" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 bench() {  # bench NAME SECONDS COMMAND...
@@ -37,9 +37,9 @@ bench() {  # bench NAME SECONDS COMMAND...
   echo "== $*" >> "$out/benchmarks.txt"
   timeout "$limit" "$@" >> "$out/benchmarks.txt" 2>> "$out/benchmarks.err" || echo "== $name failed or timed out" >> "$out/benchmarks.txt"
 }
-bench collectives-1 60 mpirun --allow-run-as-root -np 1 "$python" bench/gpu/collectives.py --reps 11
-bench collectives-2 90 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/collectives.py --reps 11 --max-chunks 2,4,16
-[ -f bench/gpu/codecs.py ] && bench codecs 60 "$python" bench/gpu/codecs.py
-bench train-2 90 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/train.py --rounds 3 --steps 8
+bench collectives-1 45 mpirun --allow-run-as-root -np 1 "$python" bench/gpu/collectives.py --reps 11
+bench collectives-2 75 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/collectives.py --reps 11 --max-chunks 2,4,16
+[ -f bench/gpu/codecs.py ] && bench codecs 45 "$python" bench/gpu/codecs.py
+bench train-2 75 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/train.py --rounds 3 --steps 8
 cat "$out/benchmarks.txt"
 exit $status

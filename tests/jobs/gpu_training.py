@@ -20,6 +20,7 @@ torch.cuda.set_device(rm.local_rank() % torch.cuda.device_count())
 GPU = torch.device("cuda", torch.cuda.current_device())
 TALLY = Tally(RANK)
 BATCH, STEPS = 8, 5
+SECTIONS = sys.argv[1:] or ["optimizer"]  # "optimizer" (with SyncBatchNorm), "hybrid"
 
 
 def batches(seed, features=6):
@@ -59,47 +60,54 @@ def mlp():
     return nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
 
 
-train("SGD", mlp(), lambda p: torch.optim.SGD(p, lr=0.1))
-train("SGD momentum", mlp(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-train("Adam", mlp(), lambda p: torch.optim.Adam(p, lr=0.01))
-train("SGD fp16 wire", mlp(), lambda p: torch.optim.SGD(p, lr=0.1), tolerance=1e-2,
-      compression=rm.Compression.fp16)
+def run_optimizer_checks():
+    """DistributedOptimizer (SGD, momentum, Adam, fp16 wire) and SyncBatchNorm against one process."""
+    train("SGD", mlp(), lambda p: torch.optim.SGD(p, lr=0.1))
+    train("SGD momentum", mlp(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    train("Adam", mlp(), lambda p: torch.optim.Adam(p, lr=0.01))
+    train("SGD fp16 wire", mlp(), lambda p: torch.optim.SGD(p, lr=0.1), tolerance=1e-2,
+          compression=rm.Compression.fp16)
 
 
-class BatchNormNet(nn.Module):
-    """Per-rank batch statistics would differ from the whole batch's: SyncBatchNorm makes them equal."""
+    class BatchNormNet(nn.Module):
+        """Per-rank batch statistics would differ from the whole batch's: SyncBatchNorm makes them equal."""
 
-    def __init__(self, norm):
-        super().__init__()
-        self.first = nn.Linear(6, 16)
-        self.norm = norm(16)
-        self.last = nn.Linear(16, 3)
+        def __init__(self, norm):
+            super().__init__()
+            self.first = nn.Linear(6, 16)
+            self.norm = norm(16)
+            self.last = nn.Linear(16, 3)
 
-    def forward(self, x):
-        return self.last(torch.relu(self.norm(self.first(x))))
+        def forward(self, x):
+            return self.last(torch.relu(self.norm(self.first(x))))
 
 
-torch.manual_seed(1)
-synced = BatchNormNet(rm.SyncBatchNorm)
-plain = BatchNormNet(nn.BatchNorm1d)
-plain.load_state_dict(synced.state_dict())
-synced, plain = synced.to(GPU), plain.to(GPU)
-optimizer = rm.DistributedOptimizer(torch.optim.SGD(synced.parameters(), lr=0.1),
-                                    named_parameters=synced.named_parameters())
-reference_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
-for step, (x, y) in enumerate(batches(seed=9)):
-    mine = slice(RANK * BATCH, (RANK + 1) * BATCH)
-    optimizer.zero_grad()
-    nn.functional.cross_entropy(synced(x[mine]), y[mine]).backward()
-    optimizer.step()
-    reference_optimizer.zero_grad()
-    nn.functional.cross_entropy(plain(x), y).backward()
-    reference_optimizer.step()
-    worst = worst_difference(synced, plain)
-    TALLY.report(f"SyncBatchNorm step {step}: max difference {worst:.3g} <= 1e-4", worst <= 1e-4)
-    running = (synced.norm.running_mean - plain.norm.running_mean).abs().max().item()
-    TALLY.report(f"SyncBatchNorm step {step}: running mean difference {running:.3g}", running <= 1e-5)
+    torch.manual_seed(1)
+    synced = BatchNormNet(rm.SyncBatchNorm)
+    plain = BatchNormNet(nn.BatchNorm1d)
+    plain.load_state_dict(synced.state_dict())
+    synced, plain = synced.to(GPU), plain.to(GPU)
+    optimizer = rm.DistributedOptimizer(torch.optim.SGD(synced.parameters(), lr=0.1),
+                                        named_parameters=synced.named_parameters())
+    reference_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches(seed=9)):
+        mine = slice(RANK * BATCH, (RANK + 1) * BATCH)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(synced(x[mine]), y[mine]).backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        nn.functional.cross_entropy(plain(x), y).backward()
+        reference_optimizer.step()
+        worst = worst_difference(synced, plain)
+        TALLY.report(f"SyncBatchNorm step {step}: max difference {worst:.3g} <= 1e-4", worst <= 1e-4)
+        running = (synced.norm.running_mean - plain.norm.running_mean).abs().max().item()
+        TALLY.report(f"SyncBatchNorm step {step}: running mean difference {running:.3g}", running <= 1e-5)
 
+
+
+
+if "optimizer" in SECTIONS:
+    run_optimizer_checks()
 
 
 def hybrid_run(device, scheme):
@@ -120,7 +128,7 @@ def hybrid_run(device, scheme):
     return logits.detach().cpu(), {k: v.detach().cpu() for k, v in model.full_state_dict().items()}
 
 
-if SIZE > 1:
+if SIZE > 1 and "hybrid" in SECTIONS:
     for scheme in "abc":
         try:
             gpu_logits, gpu_state = hybrid_run(GPU, scheme)
