@@ -23,7 +23,16 @@ thresholds are built from would be meaningless); a tensor that is not floating p
 
 Counting passes on CPU run over 1 Mi-element chunks so that the temporaries (``|chunk|``
 and its mask) stay in cache instead of allocating and faulting in a tensor the size of
-``values`` per pass; on other devices a pass is a single kernel over the whole tensor.
+``values`` per pass.
+
+Tensors on an accelerator (CUDA) take the device path of ``device_selection.py``: the same
+methods and guarantees, with the counts a search needs taken on the device from a small
+exact candidate set (or a histogram), and one read back to the host per call (the number
+of entries selected, which sizes the result, together with the finiteness check).
+``topk_exact`` reads only the finiteness check. The host path below reads every count of a
+bisection. The two paths select the same entries for trimmed top-k (the exact top-k) and,
+up to rounding of the mean at a tested threshold, for the threshold search; the sampled
+search draws its sample from the device's random stream.
 """
 
 from __future__ import annotations
@@ -33,6 +42,14 @@ import math
 import operator
 
 import torch
+
+from ringmaster.worker.compression import device_selection as dev
+from ringmaster.worker.compression import devices
+from ringmaster.worker.compression.device_selection import accumulator as _accumulator
+from ringmaster.worker.compression.device_selection import arange as _arange
+from ringmaster.worker.compression.device_selection import require_finite as _require_finite
+from ringmaster.worker.compression.device_selection import topk_all as _topk_all
+from ringmaster.worker.compression.device_selection import topk_among as _topk_among
 
 __all__ = [
     "REUSE_INTERVAL",
@@ -70,11 +87,13 @@ class ThresholdState:
     """What ``threshold_binary_search`` keeps between calls for one tensor.
 
     ``threshold`` is the last searched threshold (``None`` before the first search or after
-    a search that fell back to exact selection); it is reused while ``reuses_left > 0``.
+    a search that fell back to exact selection): a float on the host path, a 0-d float64
+    tensor on the values' device on the device path (reading it would synchronize); it is
+    reused while ``reuses_left > 0``.
     ``searches`` and ``reuses`` count what happened, for tests and diagnostics.
     """
 
-    threshold: float | None = None
+    threshold: float | torch.Tensor | None = None
     reuses_left: int = 0
     searches: int = 0
     reuses: int = 0
@@ -110,6 +129,8 @@ def trimmed_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     if k == 0 or k >= n:
         _require_finite(values)
         return _topk_all(values, k)
+    if not devices.on_host(values):
+        return dev.trimmed_topk(values, k)
     mean, biggest = _abs_mean_max(_stats_sample(values))
     if biggest == 0.0 and not bool(values.any()):  # all zeros: any k entries are the top k
         return _arange(k, values.device)
@@ -162,17 +183,18 @@ def threshold_binary_search(
         _require_finite(values)
         return _topk_all(values, k), state
     if state.threshold is not None and state.reuses_left > 0:
-        _require_finite(values)
-        indices = _indices_above(values, state.threshold)
-        if k <= indices.numel() <= 2 * k:
+        indices = _reused(values, state.threshold, k)
+        if indices is not None:
             state.reuses_left -= 1
             state.reuses += 1
             return indices, state
+    if not devices.on_host(values) and dev.grid_levels(eps) <= dev.MAX_GRID_LEVELS:
+        indices, threshold = dev.threshold_search(values, k, eps)
+        _searched(state, threshold)
+        return indices, state
     mean, biggest = _abs_mean_max(values)
     threshold, floor = _bisect(values, mean, biggest, k, 2 * k, eps)
-    state.searches += 1
-    state.threshold = threshold
-    state.reuses_left = REUSE_INTERVAL if threshold is not None else 0
+    _searched(state, threshold)
     if threshold is not None:
         return _indices_above(values, threshold), state
     if floor is not None:
@@ -219,19 +241,25 @@ def sampled_threshold_search(
     m = max(math.ceil(sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / k))
     if 4 * m > n:
         return threshold_binary_search(values, k, eps=eps)[0]
-    _require_finite(values)
+    device_path = not devices.on_host(values) and dev.grid_levels(eps) <= dev.MAX_GRID_LEVELS
+    if not device_path:
+        _require_finite(values)
     picks = torch.randint(n, (m,), generator=generator, device=values.device)
     sample = values.index_select(0, picks)
     expected = k * m / n
+    low, high, upper = math.ceil(1.25 * expected), math.floor(1.75 * expected), math.floor(2 * k * (1 + slack))
+    if device_path:
+        indices = dev.sampled_search(values, k, sample, low, high, upper, eps)
+        return trimmed_topk(values, k) if indices is None else indices
     mean, biggest = _abs_mean_max(sample)
-    threshold, floor = _bisect(sample, mean, biggest, math.ceil(1.25 * expected), math.floor(1.75 * expected), eps)
+    threshold, floor = _bisect(sample, mean, biggest, low, high, eps)
     threshold = threshold if threshold is not None else floor
     if threshold is None:
         return trimmed_topk(values, k)
     indices = _indices_above(values, threshold)
     if indices.numel() < k:
         return trimmed_topk(values, k)
-    if indices.numel() > math.floor(2 * k * (1 + slack)):
+    if indices.numel() > upper:
         return _topk_among(values, indices, k)
     return indices
 
@@ -292,22 +320,30 @@ def _check(values, k) -> int:
     return k
 
 
+def _reused(values: torch.Tensor, threshold, k: int) -> torch.Tensor | None:
+    """The entries over a reused ``threshold`` if ``k`` to ``2k`` of them, else ``None``."""
+    if not devices.on_host(values):
+        return dev.indices_above(values, threshold, k, 2 * k)
+    _require_finite(values)
+    indices = _indices_above(values, float(threshold))
+    return indices if k <= indices.numel() <= 2 * k else None
+
+
+def _searched(state: ThresholdState, threshold) -> None:
+    """Book a search that found ``threshold`` (``None``: fell back to exact selection)."""
+    state.searches += 1
+    state.threshold = threshold
+    state.reuses_left = REUSE_INTERVAL if threshold is not None else 0
+
+
 def _chunks(values: torch.Tensor):
     if values.device.type == "cpu" and values.numel() > _CPU_CHUNK:
         return values.split(_CPU_CHUNK)
     return (values,)
 
 
-def _accumulator(values: torch.Tensor) -> torch.dtype:
-    return torch.float64 if values.dtype == torch.float64 else torch.float32
 
 
-def _require_finite(values: torch.Tensor) -> None:
-    """Raise ``ValueError`` if ``values`` holds NaN or infinity (a cheap sum first)."""
-    if values.numel() == 0 or math.isfinite(float(values.sum(dtype=_accumulator(values)))):
-        return
-    if not bool(torch.isfinite(values).all()):
-        raise ValueError("values contains NaN or infinity; selection needs finite values")
 
 
 def _abs_mean_max(values: torch.Tensor) -> tuple[float, float]:
@@ -405,24 +441,3 @@ def _bisect(values, mean, biggest, low, high, eps):
         else:
             left, floor = ratio, threshold
     return None, floor
-
-
-def _arange(k: int, device) -> torch.Tensor:
-    return torch.arange(k, dtype=torch.int64, device=device)
-
-
-def _topk_all(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact top-k over all of ``values`` (already checked to be finite)."""
-    if k >= values.numel():
-        return _arange(values.numel(), values.device)
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64, device=values.device)
-    return torch.topk(values.abs(), k, sorted=False).indices.sort().values
-
-
-def _topk_among(values: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact top-k among ``candidates`` (ascending indices, at least ``k`` of them)."""
-    if candidates.numel() == k:
-        return candidates
-    magnitudes = values.index_select(0, candidates).abs()
-    return candidates[torch.topk(magnitudes, k, sorted=False).indices].sort().values
