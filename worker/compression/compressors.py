@@ -74,7 +74,9 @@ class WireCompressor(Compressor):
     ``compress(t)`` returns ``(codes, (absmaxes, dtype))`` for a floating-point ``t``: uint8
     codes of ``t``'s shape and one float32 absmax per :data:`quantization.BLOCK_ELEMENTS`
     elements; ``decompress`` decodes them to ``t``'s dtype. Other dtypes pass through with a
-    ``None`` context. ``wire_format`` names the encoding the background thread applies at
+    ``None`` context. Codes, absmaxes and results stay on ``t``'s device; on a CUDA device
+    nothing is read back, so non-finite input is not refused there but decodes to NaN or
+    Inf (see ``quantization``). ``wire_format`` names the encoding the background thread applies at
     every ring step of an allreduce (floating-point tensors, ``op=Average`` or ``Sum``).
     """
 

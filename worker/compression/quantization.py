@@ -43,10 +43,19 @@ it builds its tables, and per element looks the cell up and makes one comparison
 Wire format (``pack``/``unpack``): ``absmax`` as 4 bytes of float32 in native byte order,
 then the codes, one byte per element in row-major order.
 
-Non-finite input (NaN or ±Inf anywhere) raises ``ValueError``: the absmax would be Inf
-or NaN and every element would decode to garbage. Encoding therefore reads one scalar
-back from the device (a synchronization on CUDA). A tensor of zeros has absmax 0 and
-decodes to exact zeros.
+Non-finite input (NaN or ±Inf anywhere) raises ``ValueError`` on the host: the absmax
+would be Inf or NaN and every element would decode to garbage. That check reads a flag
+back, which on a CUDA device is a synchronization, so on a device the encoders skip it
+unless asked (``check_finite=True``): a block with a non-finite element then carries a NaN
+or Inf absmax, and EVERY element of it decodes to NaN or ±Inf (0 × Inf is NaN), never to a
+finite wrong value, as a float16 cast or an uncompressed sum would pass NaN on. A tensor of
+zeros has absmax 0 and decodes to exact zeros.
+
+Devices: encoding and decoding are torch operations on the input's device, with the
+tables (256 decode values, 65536-entry encode tables) built once on the host and copied to
+each device once, on first use (``_tables``, cached per device); results stay on the input's
+device, and nothing is read back on a device unless ``check_finite=True``. ``RingCodec``
+works on the host arrays of the ring allreduce, and on torch tensors of any device.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from typing import NamedTuple
 
 import torch
 
+from ringmaster.worker.compression import devices
 
 #: Bytes in front of the codes in a packed buffer: ``absmax`` as float32.
 HEADER_BYTES = 4
@@ -111,7 +121,17 @@ class _Tables(NamedTuple):
 
 @functools.cache
 def _tables(kind: str, device: torch.device) -> _Tables:
-    """Decode and encode tables of a data type, built once per device.
+    """Decode and encode tables of a data type on ``device``: built once on the host
+    (:func:`_host_tables`), copied to each device once, on its first use."""
+    tables = _host_tables(kind)
+    if device.type == "cpu":
+        return tables
+    return _Tables(*(table.to(device) for table in tables))
+
+
+@functools.cache
+def _host_tables(kind: str) -> _Tables:
+    """Decode and encode tables of a data type, built on the host.
 
     Encoding looks up ``key`` = the top 16 bits of a normalized float32 (its *cell*). No
     cell spans more than one midpoint (cells are at most 2^-7 of their value wide; the
@@ -134,9 +154,9 @@ def _tables(kind: str, device: torch.device) -> _Tables:
     sign_bits = torch.tensor(-(1 << 31), dtype=torch.int32)
     decode = values.to(torch.float32)
     return _Tables(
-        decode=torch.cat([decode, -decode]).to(device),
-        cell_code=torch.cat([low_code, low_code | _SIGN]).to(torch.uint8).to(device),
-        threshold=torch.cat([threshold, threshold | sign_bits]).to(device),
+        decode=torch.cat([decode, -decode]),
+        cell_code=torch.cat([low_code, low_code | _SIGN]).to(torch.uint8),
+        threshold=torch.cat([threshold, threshold | sign_bits]),
     )
 
 
@@ -148,13 +168,20 @@ def _check_floating(tensor: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what} takes a {names} tensor, got {tensor.dtype}")
 
 
-def _absmax(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of ``flat`` (``tensor`` as float32) as a float32 0-d tensor."""
+def _checks_finite(tensor: torch.Tensor, check_finite: bool | None) -> bool:
+    """Whether to refuse non-finite input: as asked, else on the host only (on a device
+    the check is a synchronization; see the module docstring)."""
+    return devices.on_host(tensor) if check_finite is None else bool(check_finite)
+
+
+def _absmax(flat: torch.Tensor, tensor: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
+    """The largest magnitude of ``flat`` (``tensor`` as float32) as a float32 0-d tensor;
+    ``ValueError`` if it is not finite and ``check_finite``."""
     if flat.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=flat.device)
     low, high = torch.aminmax(flat)
     absmax = torch.maximum(low.abs(), high.abs())  # never -0.0
-    if not bool(torch.isfinite(absmax)):
+    if check_finite and not bool(torch.isfinite(absmax)):
         bad = int((~torch.isfinite(tensor)).sum())
         if bad:
             raise ValueError(
@@ -166,10 +193,11 @@ def _absmax(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return absmax
 
 
-def _encode(tensor: torch.Tensor, kind: str, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode(tensor: torch.Tensor, kind: str, what: str,
+            check_finite: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_floating(tensor, what)
     flat = tensor.detach().reshape(-1).to(torch.float32)
-    absmax = _absmax(flat, tensor)
+    absmax = _absmax(flat, tensor, _checks_finite(tensor, check_finite))
     tables = _tables(kind, flat.device)
     bits = (flat / torch.where(absmax > 0, absmax, 1.0)).view(torch.int32)
     keys = (bits >> _CELL_SHIFT).bitwise_and_(_CELLS - 1)
@@ -191,14 +219,15 @@ def _decode(codes: torch.Tensor, absmax, dtype: torch.dtype, kind: str, what: st
     return torch.index_select(values, 0, codes.reshape(-1).to(torch.int32)).reshape(codes.shape)
 
 
-def encode_dynamic_tree(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_dynamic_tree(tensor: torch.Tensor, *, check_finite: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``tensor`` in the dynamic tree type: ``(codes, absmax)``.
 
     ``codes`` is a uint8 tensor of ``tensor``'s shape (see the module docstring for the
     bit layout), ``absmax`` a float32 0-d tensor, both on ``tensor``'s device. Raises
-    ``ValueError`` if ``tensor`` has NaN or Inf elements.
+    ``ValueError`` if ``tensor`` has NaN or Inf elements and ``check_finite`` (default: on
+    the host only; on a device non-finite input decodes to NaN or Inf instead).
     """
-    return _encode(tensor, "dynamic tree", "encode_dynamic_tree")
+    return _encode(tensor, "dynamic tree", "encode_dynamic_tree", check_finite)
 
 
 def decode_dynamic_tree(codes: torch.Tensor, absmax, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -206,12 +235,12 @@ def decode_dynamic_tree(codes: torch.Tensor, absmax, dtype: torch.dtype = torch.
     return _decode(codes, absmax, dtype, "dynamic tree", "decode_dynamic_tree")
 
 
-def encode_linear8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_linear8(tensor: torch.Tensor, *, check_finite: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``tensor`` in the linear type (sign bit, magnitude ``round(127 |x| / absmax)``).
 
     Returns ``(codes, absmax)`` like :func:`encode_dynamic_tree`.
     """
-    return _encode(tensor, "linear8", "encode_linear8")
+    return _encode(tensor, "linear8", "encode_linear8", check_finite)
 
 
 def decode_linear8(codes: torch.Tensor, absmax, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -248,10 +277,12 @@ def unpack(buffer: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor
 BLOCK_ELEMENTS = 4096
 
 
-def encode_blocks(tensor: torch.Tensor, kind: str, block: int = BLOCK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_blocks(tensor: torch.Tensor, kind: str, block: int = BLOCK_ELEMENTS, *,
+                  check_finite: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``tensor`` in the 8-bit type ``kind`` ("dynamic tree" or "linear8") with one
     absmax per ``block`` consecutive elements (row-major): ``(codes, absmaxes)``, the codes a
-    uint8 tensor of ``tensor``'s shape, the absmaxes float32 of ``ceil(numel / block)``."""
+    uint8 tensor of ``tensor``'s shape, the absmaxes float32 of ``ceil(numel / block)``, both
+    on ``tensor``'s device. ``check_finite`` as in :func:`encode_dynamic_tree`."""
     what = f"encode_blocks({kind!r})"
     if kind not in _VALUES:
         raise ValueError(f"unknown 8-bit type {kind!r}; use one of {', '.join(map(repr, _VALUES))}")
@@ -259,9 +290,10 @@ def encode_blocks(tensor: torch.Tensor, kind: str, block: int = BLOCK_ELEMENTS) 
     flat = tensor.detach().reshape(-1).to(torch.float32)
     count = flat.numel()
     blocks = -(-count // block)
-    padded = torch.nn.functional.pad(flat, (0, blocks * block - count)).reshape(blocks, block)
+    padded = flat if count == blocks * block else torch.nn.functional.pad(flat, (0, blocks * block - count))
+    padded = padded.reshape(blocks, block)
     absmax = padded.abs().amax(dim=1) if count else torch.zeros(0, dtype=torch.float32, device=flat.device)
-    if count and not bool(torch.isfinite(absmax).all()):
+    if count and _checks_finite(tensor, check_finite) and not bool(torch.isfinite(absmax).all()):
         _absmax(flat, tensor)  # raises with the count of bad elements
     tables = _tables(kind, flat.device)
     bits = (padded / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)).view(torch.int32).reshape(-1)
@@ -284,15 +316,26 @@ def decode_blocks(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype,
                          f"got {absmax.numel() if isinstance(absmax, torch.Tensor) else absmax!r}")
     values = _tables(kind, codes.device).decode.to(torch.float32)
     decoded = torch.index_select(values, 0, codes.reshape(-1).to(torch.int32))
-    scales = absmax.reshape(-1).to(torch.float32).repeat_interleave(block)[:count]
-    return (decoded * scales).to(dtype).reshape(codes.shape)
+    return _scaled(decoded, absmax.reshape(-1).to(torch.float32), block).to(dtype).reshape(codes.shape)
+
+
+def _scaled(decoded: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """``decoded[i] * scales[i // block]``: whole blocks broadcast their scale (no tensor of
+    per-element scales is made), the last partial block is multiplied apart."""
+    whole = decoded.numel() // block
+    head = (decoded[:whole * block].view(whole, block) * scales[:whole].unsqueeze(1)).view(-1)
+    if whole * block == decoded.numel():
+        return head
+    return torch.cat([head, decoded[whole * block:] * scales[whole]])
 
 
 class RingCodec:
     """An 8-bit type as the quantized ring allreduce's codec (``ops.quantized_ring.Codec``).
 
     A block of ``count`` float32 values travels as :func:`pack` lays it out: its absmax
-    (4 bytes), then ``count`` codes. Works on NumPy arrays (CPU) without copies.
+    (4 bytes), then ``count`` codes. Works on NumPy arrays (CPU) without copies, and on
+    torch tensors of any device (nothing is read back on a device; a non-finite block then
+    decodes to NaN or Inf, see the module docstring).
     """
 
     def __init__(self, kind: str):
@@ -307,19 +350,29 @@ class RingCodec:
 
     def encode(self, values, out) -> None:
         """Encode the float32 array ``values`` into the uint8 array ``out``."""
-        codes, absmax = _encode(torch.from_numpy(values), self.kind, "ring encode")
-        target = torch.from_numpy(out)
+        codes, absmax = _encode(_as_tensor(values), self.kind, "ring encode")
+        target = _as_tensor(out)
         target[:HEADER_BYTES] = absmax.reshape(1).view(torch.uint8)
         target[HEADER_BYTES:] = codes
 
     def decode(self, encoded, out, add=None) -> None:
         """Decode the uint8 array ``encoded`` into the float32 array ``out`` (plus ``add``)."""
-        source = torch.from_numpy(encoded)
+        source = _as_tensor(encoded)
         absmax = source[:HEADER_BYTES].clone().view(torch.float32).reshape(())
         values = _tables(self.kind, source.device).decode * absmax
-        target = torch.from_numpy(out)
+        target = _as_tensor(out)
         if add is None:
             torch.index_select(values, 0, source[HEADER_BYTES:].to(torch.int32), out=target)
         else:
             decoded = torch.index_select(values, 0, source[HEADER_BYTES:].to(torch.int32))
-            torch.add(torch.from_numpy(add), decoded, out=target)
+            torch.add(_as_tensor(add), decoded, out=target)
+
+
+def _as_tensor(array) -> torch.Tensor:
+    """A torch view (no copy) of a torch tensor, a NumPy array, or a device array that
+    speaks DLPack (CuPy)."""
+    if isinstance(array, torch.Tensor):
+        return array
+    if type(array).__module__.split(".")[0] == "numpy":
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
