@@ -50,6 +50,17 @@ The message of one rank for one tensor (its count, int32 indices and values) is 
 
 ``TopKCompressor`` is the baseline without memory: the same selection, messages and
 ``combine``, but unselected entries are dropped.
+
+Devices: gradients on a CUDA device are compressed there, and every tensor the compressor
+keeps (residual, momentum, thresholds) stays on the gradient's device. The sparse step makes
+the same arithmetic as on the host, but reads back only once (``devices.read``, inside the
+selection: how many entries are sent, which sizes the message, and whether the residual is
+finite): the up-front finiteness check of the gradient is folded into that read, and the
+new momentum and residual are computed out of place and kept only after it, so that a NaN
+gradient still raises the same ``ValueError`` with the state unchanged. Reads that remain
+on a device: dense steps check the gradient (one read); quantized RGC drops the selected
+entries of the wrong sign (one more read); ``combine`` reads the message counts (one read,
+``rgc_messages.decode``) and checks the indices' range (one read).
 """
 
 from __future__ import annotations
@@ -63,7 +74,7 @@ from fractions import Fraction
 
 import torch
 
-from ringmaster.worker.compression import cost_model
+from ringmaster.worker.compression import cost_model, devices
 from ringmaster.worker.compression import selection as sel
 from ringmaster.worker.compression.rgc_messages import MAX_SPARSE_NUMEL, decode, encode
 from ringmaster.worker.compression.rgc_state import (STATE_FORMAT, TensorState, accumulator, describe,
@@ -154,16 +165,18 @@ class _SparseCompressor:
         total.index_add_(0, indices, values)
         return total.div_(world_size).to(state.dtype).reshape(state.shape)
 
-    def setup(self, named_sizes, process_set, calibrated) -> None:
+    def setup(self, named_sizes, process_set, calibrated, device=None) -> None:
         """Called by ``DistributedOptimizer`` on every rank when it is built, with
         ``{name: numel}`` of the parameters and ``calibrated(process_set)``, which returns the
         job's cost model (``frontend/calibration.py``; a collective the first time). With
         ``mode="auto"`` this calibrates the model (RedSync's T_sparse vs T_dense,
         ``cost_model.py``) and decides per tensor, identically on every rank; the decisions
-        are logged once at INFO on ``ringmaster.compression`` by the set's rank 0."""
+        are logged once at INFO on ``ringmaster.compression`` by the set's rank 0.
+        ``device``: where the gradients live; the model is then measured there
+        (``calibrated(process_set, device=device)``)."""
         if self.mode != "auto":
             return
-        model = calibrated(process_set)
+        model = calibrated(process_set) if device is None else calibrated(process_set, device=device)
         eligible = {name: numel for name, numel in named_sizes.items() if numel >= self.min_size}
         self.cost_model = model
         self._dense_by_model = frozenset(name for name, numel in eligible.items()
@@ -240,6 +253,17 @@ class _SparseCompressor:
         except ValueError as error:
             raise ValueError(f"cannot select from the residual of {name!r}: {error}") from error
 
+    def _select_checked(self, name: str, grad: torch.Tensor, values: torch.Tensor, k: int,
+                        threshold: sel.ThresholdState) -> torch.Tensor:
+        """``_select`` on a device, where the gradient's finiteness is checked by the
+        selection's read: a ``ValueError`` there becomes the host's error naming the
+        gradient when the gradient itself is not finite (one more read, on this path only)."""
+        try:
+            return self._select(name, values, k, threshold)
+        except ValueError:
+            _require_finite(name, grad)
+            raise
+
     def _k(self, numel: int) -> int:
         """Entries sent per sparse step of a tensor of ``numel`` elements."""
         return min(numel, max(1, math.ceil(Fraction(repr(self.ratio)) * numel)))
@@ -292,6 +316,8 @@ class RGCCompressor(_SparseCompressor):
         dense = self._dense(name, state) or state.calls < self.warmup_steps
         if not dense:
             self._sparse_allowed(name, state)
+            if not devices.on_host(grad):
+                return self._device_sparse_step(name, state, grad, world_size)
         _require_finite(name, grad)
         state.calls += 1
         update = self._update(state, grad, world_size)
@@ -342,21 +368,53 @@ class RGCCompressor(_SparseCompressor):
         if state.residual is None:
             state.residual = torch.zeros_like(update)
         residual = state.residual.add_(update)
+        indices, sent = self._select_sent(name, state, residual)
+        return self._sent(state, indices, sent)
+
+    def _device_sparse_step(self, name: str, state: TensorState, grad: torch.Tensor, world_size: int) -> Plan:
+        """``prepare``'s sparse step on a device (see the module docstring): the host's
+        ``_require_finite``, ``_update`` and ``_sparse_step`` with the momentum and residual
+        computed out of place and kept only once the selection's read found them finite."""
+        update = grad.reshape(-1).to(accumulator(grad.dtype))
+        if self.clip_norm is not None:
+            update = _clip(update, self.clip_norm / math.sqrt(world_size))
+        momentum = state.momentum
+        if self.momentum is not None:
+            momentum = (momentum if momentum is not None else torch.zeros_like(update)).mul(self.momentum).add_(update)
+            update = update + self.momentum * momentum if self.nesterov else momentum
+        residual = (state.residual if state.residual is not None else torch.zeros_like(update)) + update
+        indices, sent = self._select_sent(name, state, residual, grad)
+        state.calls += 1
+        state.momentum, state.residual = momentum, residual
+        return self._sent(state, indices, sent)
+
+    def _select_sent(self, name: str, state: TensorState, residual: torch.Tensor, grad: torch.Tensor | None = None):
+        """The indices this sparse step sends and their values (``grad``: on a device, the
+        gradient whose finiteness the selection's read checks)."""
         if self.quantize:
-            indices, sent = self._select_quantized(name, state, residual)
-        else:
-            indices = self._select(name, residual, state.k, state.thresholds[0])
-            sent = residual.index_select(0, indices).to(state.dtype)
+            return self._select_quantized(name, state, residual, grad)
+        indices = self._select_from(name, grad, residual, state.k, state.thresholds[0])
+        return indices, residual.index_select(0, indices).to(state.dtype)
+
+    def _select_from(self, name, grad, values, k, threshold) -> torch.Tensor:
+        if grad is None:
+            return self._select(name, values, k, threshold)
+        return self._select_checked(name, grad, values, k, threshold)
+
+    def _sent(self, state: TensorState, indices: torch.Tensor, sent: torch.Tensor) -> Plan:
+        """Take what is sent out of the residual and pack the message."""
         state.sparse_steps += 1
         self._leave_residual(state, indices, sent)
         return Plan(dense=False, message=encode(indices, sent), count=indices.numel())
 
-    def _select_quantized(self, name: str, state: TensorState, residual: torch.Tensor):
+    def _select_quantized(self, name: str, state: TensorState, residual: torch.Tensor, grad=None):
         """The ``k`` (to ``2k``) largest entries of this step's sign and their mean (one value
         in the gradient's dtype; none if no entry has that sign)."""
         sign = 1.0 if state.sparse_steps % 2 == 0 else -1.0
         candidates = (residual * sign).clamp_(min=0)
-        indices = self._select(name, candidates, state.k, state.thresholds[state.sparse_steps % 2])
+        if grad is not None:  # device: a NaN or Inf anywhere in the residual (-Inf too) must reach the check
+            candidates.add_(residual, alpha=0.0)
+        indices = self._select_from(name, grad, candidates, state.k, state.thresholds[state.sparse_steps % 2])
         # Selection may fill up with zeros (entries of the other sign): those stay.
         indices = indices[candidates.index_select(0, indices) > 0]
         if indices.numel() == 0:
@@ -392,10 +450,14 @@ class TopKCompressor(_SparseCompressor):
             state.calls += 1
             return Plan(dense=True, tensor=grad)
         self._sparse_allowed(name, state)
-        _require_finite(name, grad)
-        state.calls += 1
         flat = grad.reshape(-1)
-        indices = self._select(name, flat, state.k, state.thresholds[0])
+        if devices.on_host(grad):
+            _require_finite(name, grad)
+            state.calls += 1
+            indices = self._select(name, flat, state.k, state.thresholds[0])
+        else:  # the gradient's check is the selection's read
+            indices = self._select_checked(name, grad, flat, state.k, state.thresholds[0])
+            state.calls += 1
         return Plan(dense=False, message=encode(indices, flat.index_select(0, indices)), count=indices.numel())
 
 

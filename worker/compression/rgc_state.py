@@ -56,7 +56,15 @@ def state_to_dict(state: TensorState) -> dict:
             "calls": state.calls, "sparse_steps": state.sparse_steps,
             "residual": None if state.residual is None else state.residual.clone(),
             "momentum": None if state.momentum is None else state.momentum.clone(),
-            "thresholds": [dataclasses.asdict(threshold) for threshold in state.thresholds]}
+            "thresholds": [_plain(dataclasses.asdict(threshold)) for threshold in state.thresholds]}
+
+
+def _plain(threshold: dict) -> dict:
+    """A threshold state with its threshold as a float (the device path keeps a 0-d tensor
+    on the device: saving it reads it back, once per checkpoint)."""
+    if isinstance(threshold["threshold"], torch.Tensor):
+        threshold["threshold"] = float(threshold["threshold"])
+    return threshold
 
 
 def state_from_dict(name: str, entry, k_of) -> TensorState:
