@@ -56,6 +56,14 @@ tensors it prefers sparse iff the sparse path's cost per element,
 ``2(p-1)/p*D*beta + (p-1)/p*gamma2``; otherwise it switches from sparse to dense at some size.
 :meth:`CostModel.crossover` reports the smallest size from which sparse wins for good.
 
+Devices: the parameters are measured where the gradients live. ``DistributedOptimizer``
+passes its parameters' device (when they all share one that is not the CPU) to
+``RGCCompressor.setup``, and calibration then runs the allreduces, the additions (gamma2),
+the scatter-adds (gamma1), the selections (``select_s_per_element``, the device path of
+``selection.py``) and the sparse round trip (``sparse_fixed_s``, with its reads back to the
+host) on that device, synchronizing after each timed call. On CPU, as before, on the host.
+This module itself is arithmetic on floats and touches no tensor.
+
 Every rank must agree on every decision (ranks that pick different collectives for the same
 tensor deadlock), so calibration reduces its raw measurements with one allreduce
 (``Max``: exact in floating point, and the job runs at its slowest rank's pace) and every

@@ -71,8 +71,10 @@ def calibrate(process_set=None, repeats: int = 5, device=None) -> CostModel:
 
     The raw medians are reduced with one ``Max`` allreduce of a float64 tensor and every
     rank computes the parameters from the same numbers, so the model is bit-identical on
-    every rank. ``device``: where the tensors live (default CPU). Takes about 0.25 s on two
-    ranks of a 2-core machine, about 1.2 s on four (oversubscribed).
+    every rank. ``device``: where the tensors live (default CPU): every measurement above,
+    the allreduces included, then runs on that device (``DistributedOptimizer`` passes its
+    parameters' device), each timed call ended by ``torch.cuda.synchronize`` on CUDA. Takes
+    about 0.25 s on two ranks of a 2-core machine, about 1.2 s on four (oversubscribed).
     """
     repeats = check_positive("repeats", repeats, integer=True)
     process_set = global_process_set if process_set is None else process_set
@@ -112,7 +114,7 @@ def calibrate(process_set=None, repeats: int = 5, device=None) -> CostModel:
     index = torch.randint(0, GAMMA_ELEMENTS, (SCATTER_ENTRIES,), generator=generator).to(device)
     entries = torch.rand(SCATTER_ENTRIES, generator=generator).to(device)
     t_scatter = _median_time(lambda: a.index_add_(0, index, entries), repeats, sync)
-    t_fixed = _sparse_fixed_cost(p, repeats, device, generator)
+    t_fixed = _sparse_fixed_cost(p, repeats, device, generator, sync)
     t_select = []
     for n in SELECT_SIZES:
         values = torch.randn(n, generator=generator).to(device)
@@ -127,9 +129,10 @@ def calibrate(process_set=None, repeats: int = 5, device=None) -> CostModel:
     return fit(p, t_small, t_large, t_add, t_scatter, t_select, sparse_fixed=t_fixed)
 
 
-def _sparse_fixed_cost(p: int, repeats: int, device, generator) -> float:
+def _sparse_fixed_cost(p: int, repeats: int, device, generator, sync: Callable[[], None]) -> float:
     """Seconds to prepare and combine a small tensor's sparse message (no communication):
-    the Python work the sparse path does per tensor, however few entries it sends."""
+    the Python work the sparse path does per tensor, however few entries it sends (on a
+    device, with its reads back to the host, until the device is done)."""
     compressor = RGCCompressor(ratio=SELECT_RATIO, min_size=1)
     grad = torch.randn(FIXED_COST_ELEMENTS, generator=generator).to(device)
 
@@ -137,7 +140,7 @@ def _sparse_fixed_cost(p: int, repeats: int, device, generator) -> float:
         message = compressor.prepare("calibration", grad, p).message
         compressor.combine("calibration", message.repeat(p), p)
 
-    return _median_time(round_trip, repeats, lambda: None)
+    return _median_time(round_trip, repeats, sync)
 
 
 _cache: dict[tuple, CostModel] = {}

@@ -84,7 +84,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._sparsifier is not None and process_set.included() and process_set.size() > 1:
             setup = getattr(self._sparsifier, "setup", None)
             if callable(setup):  # e.g. rgc(mode="auto") calibrates its cost model: every rank, here
-                setup({self._parameter_names[p]: p.numel() for p in self._requires_update}, process_set, calibrated)
+                sizes = {self._parameter_names[p]: p.numel() for p in self._requires_update}
+                devices = {p.device for p in self._requires_update}
+                if len(devices) == 1 and next(iter(devices)).type != "cpu":  # measured where the gradients live
+                    setup(sizes, process_set, calibrated, device=next(iter(devices)))
+                else:
+                    setup(sizes, process_set, calibrated)
         # Outside its process set a rank trains alone: nothing to reduce, as with one rank.
         if process_set.included() and process_set.size() > 1:
             hook = _weak_hook(self)
