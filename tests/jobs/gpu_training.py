@@ -34,9 +34,9 @@ def worst_difference(model, reference):
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
 
 
-def train(case, model, make_optimizer, tolerance=1e-5, **options):
-    torch.manual_seed(1)
-    model = model.to(GPU)
+def train(case, make_model, make_optimizer, tolerance=1e-5, **options):
+    torch.manual_seed(1)  # the same initial model on every rank (the reference is not broadcast)
+    model = make_model().to(GPU)
     reference = copy.deepcopy(model)
     rm.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = rm.DistributedOptimizer(make_optimizer(model.parameters()), named_parameters=model.named_parameters(),
@@ -62,10 +62,10 @@ def mlp():
 
 def run_optimizer_checks():
     """DistributedOptimizer (SGD, momentum, Adam, fp16 wire) and SyncBatchNorm against one process."""
-    train("SGD", mlp(), lambda p: torch.optim.SGD(p, lr=0.1))
-    train("SGD momentum", mlp(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    train("Adam", mlp(), lambda p: torch.optim.Adam(p, lr=0.01))
-    train("SGD fp16 wire", mlp(), lambda p: torch.optim.SGD(p, lr=0.1), tolerance=1e-2,
+    train("SGD", mlp, lambda p: torch.optim.SGD(p, lr=0.1))
+    train("SGD momentum", mlp, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    train("Adam", mlp, lambda p: torch.optim.Adam(p, lr=0.01))
+    train("SGD fp16 wire", mlp, lambda p: torch.optim.SGD(p, lr=0.1), tolerance=1e-2,
           compression=rm.Compression.fp16)
 
 

@@ -148,7 +148,8 @@ class ClassifierPass:
         name = f"{self.name}.r{j}.input"
         if round_.owner is not None:
             owner = round_.owner
-            return self.exchange.broadcast(mine if me == owner else None, shapes[owner], h.dtype, owner, name)
+            return self.exchange.broadcast(mine if me == owner else None, shapes[owner], h.dtype, owner, name,
+                                           device=h.device)
         return self.exchange.gather(mine, shapes, name).then(lambda pieces: torch.cat(pieces))
 
     def forward_round(self, j: int, inputs: torch.Tensor, parameters: Sequence[torch.Tensor], build_graph: bool):

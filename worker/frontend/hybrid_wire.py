@@ -84,7 +84,7 @@ class Wire:
         if not self.eight_bit:
             return flat.to(torch.float16)
         if flat.numel() == 0:
-            return torch.empty(0, dtype=torch.uint8)
+            return torch.empty(0, dtype=torch.uint8, device=flat.device)
         codes, (absmax, _) = self.compression.compress(flat)
         return torch.cat([absmax.reshape(-1).view(torch.uint8), codes])
 
@@ -146,13 +146,14 @@ class Exchange:
         return Pending(handle, complete)
 
     def broadcast(self, piece: Optional[torch.Tensor], shape: Shape, dtype: torch.dtype, owner: int,
-                  name: str) -> Pending:
-        """Member ``owner``'s piece (of ``shape``; ``piece`` on the owner, ``None`` elsewhere) to every member."""
+                  name: str, device=None) -> Pending:
+        """Member ``owner``'s piece (of ``shape``; ``piece`` on the owner, ``None`` elsewhere) to every member,
+        received on ``device`` (the owner's piece's device on every member: CPU or this rank's GPU)."""
         wire = self.wire
         if self.position == owner:
             payload = wire.encode(piece)
         else:
-            payload = torch.empty(wire.length(shape, dtype), dtype=wire.payload_dtype(dtype))
+            payload = torch.empty(wire.length(shape, dtype), dtype=wire.payload_dtype(dtype), device=device)
         handle = c.broadcast_async(payload, self.members[owner], name=name, process_set=self.process_set)
 
         def complete(received):

@@ -58,7 +58,8 @@ class Runtime:
                                  on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
                                  on_join_counted=self._join_counted,
                                  across_hosts=self.cross_size > 1, plan_overlap=config.plan_overlap,
-                                 local_size=self.local_size, result_pool=config.result_pool)
+                                 local_size=self.local_size, result_pool=config.result_pool,
+                                 gpu_transport=config.gpu_transport)
         self.cache = self._start_cache(comm, config)
         self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s,
                              heartbeat=lambda: pb.Heartbeat(plans=self.executor.plan_waits()),
@@ -100,7 +101,7 @@ class Runtime:
         cache_comm = comm.Dup()
         runner = Executor(cache_comm, self.table, config.allreduce_algorithm, on_join=self._joined,
                           on_fatal=self.fail, nice=config.background_nice, across_hosts=self.cross_size > 1,
-                          local_size=self.local_size, result_pool=False)
+                          local_size=self.local_size, result_pool=False, gpu_transport=config.gpu_transport)
         runner.results = self.executor.results  # one pool: a result may come from either path
         cache = ResponseCache(cache_comm, runner, config.cache_capacity, config.fusion_threshold_bytes,
                               config.cycle_time_ms / 1000.0, negotiate=lambda requests: self.outbox.add(requests, True),
