@@ -102,3 +102,18 @@ def test_staged_collectives_and_schedule_with_host_copies(np):
     assert not failures, "\n".join(failures[:20])
     done = [line for line in result.stdout.splitlines() if line.startswith("DONE")]
     assert len(done) == np and all(" 0 failures" in line for line in done), result.output[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_the_gpu_transport_setting_reaches_both_executors():
+    result = mpirun(1, """
+        import ringmaster as rm
+        from ringmaster.worker.runtime.current import runtime
+        rm.init()
+        state = runtime()
+        runners = [state.executor] + ([state.cache._executor] if state.cache is not None else [])
+        print("SETTINGS", [runner._devices._gpu_transport for runner in runners])
+    """, timeout=50, env={"RINGMASTER_GPU_TRANSPORT": "staged"})
+    assert result.returncode == 0, result.output[-3000:]
+    [settings] = result.lines_starting("SETTINGS")
+    assert settings == "['staged', 'staged']"  # the job's executor and the response cache's
