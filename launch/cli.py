@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence
 
+from ringmaster.common.config import GPU_TRANSPORTS
+
 from .command import check_command, normalize_command
 from .coordinator_process import CoordinatorProcess
 from .environment import (base_environment, coordinator_environment, exported_names, job_environment,
@@ -127,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--cache-capacity", type=_number(int, 0, True), metavar="N",
                         help="negotiated collectives each rank's response cache keeps, so that calling one "
                              "again skips the coordinator (default 1024; 0: no cache)")
+    tuning.add_argument("--gpu-transport", choices=GPU_TRANSPORTS,
+                        help="how collectives of CUDA tensors move data (default auto: nccl with a GPU per "
+                             "rank, ipc for ranks sharing a GPU on one host, mpi if CUDA-aware, else staged)")
     tuning.add_argument("--autotune", action="store_true",
                         help="tune fusion threshold, cycle time, ring/MPI crossover and response cache "
                              "during the first steps (RINGMASTER_AUTOTUNE=1)")
@@ -245,7 +250,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
         timeline_filename=args.timeline_filename, background_nice=args.background_nice,
         max_message_mb=args.max_message_mb, max_pending_requests=args.max_pending_requests,
-        cache_capacity=args.cache_capacity,
+        cache_capacity=args.cache_capacity, gpu_transport=args.gpu_transport,
         autotune=args.autotune, autotune_log_file=args.autotune_log_file,
         autotune_warmup_samples=args.autotune_warmup_samples,
         autotune_steps_per_sample=args.autotune_steps_per_sample,

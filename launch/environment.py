@@ -41,6 +41,7 @@ def tuning_environment(
     max_message_mb: Optional[float] = None,
     max_pending_requests: Optional[int] = None,
     cache_capacity: Optional[int] = None,
+    gpu_transport: Optional[str] = None,
     autotune: bool = False,
     autotune_log_file: Optional[str] = None,
     autotune_warmup_samples: Optional[int] = None,
@@ -82,6 +83,8 @@ def tuning_environment(
         env["RINGMASTER_MAX_PENDING_REQUESTS"] = str(max_pending_requests)
     if cache_capacity is not None:
         env["RINGMASTER_CACHE_CAPACITY"] = str(cache_capacity)
+    if gpu_transport is not None:
+        env["RINGMASTER_GPU_TRANSPORT"] = gpu_transport
     if autotune:
         env["RINGMASTER_AUTOTUNE"] = "1"
     if autotune_log_file is not None:
