@@ -1,11 +1,13 @@
-"""Horovod's semantics on real mpirun jobs of 2 and 4 ranks, checked against a NumPy reference.
+"""Horovod's semantics on real mpirun jobs of 2, 3 and 4 ranks, checked against a NumPy reference.
 
 One job per number of ranks (``tests/jobs/horovod_semantics.py``, run once and shared by the
 tests) runs four sections; the first test checks the whole job, each other test one section:
 
-* ``gradients``: the backward of every differentiable collective (Horovod's rules), float32
-  and float64 (float16 for allreduce and allgather), 1-, 2- and 3-d, in the global set and in
-  the set of even or odd ranks (sets of one rank at 2 ranks);
+* ``gradients``: the backward of every differentiable collective (Horovod 0.28's rules:
+  allgather averages, reducescatter multiplies by the set's size for Sum), float32 and float64
+  (float16 for allreduce and allgather), 1-, 2- and 3-d, in the global set and in the set of
+  even or odd ranks (sets of one rank at 2 ranks, of two and one at 3), and the literal values
+  of issue 29;
 * ``graph``: which results carry a ``grad_fn`` (differentiable calls with grad on; never the
   in-place or async forms);
 * ``integers``: prescale/postscale factors on int32, int64 and uint8 (scaled in float64,
@@ -40,7 +42,7 @@ def fail_lines(result, prefix="FAIL"):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("np", [2, 3, 4])
 def test_every_check_passes_on_every_rank(np):
     result = job(np)
     failures = fail_lines(result)
@@ -61,24 +63,24 @@ def check_section(np, section):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("np", [2, 3, 4])
 def test_gradients_follow_horovods_backward_rules(np):
     check_section(np, "gradients")
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("np", [2, 3, 4])
 def test_only_out_of_place_calls_with_grad_build_a_graph(np):
     check_section(np, "graph")
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("np", [2, 3, 4])
 def test_integer_scaling_truncates_toward_zero(np):
     check_section(np, "integers")
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("np", [2, 3, 4])
 def test_model_parallel_shards_get_the_reference_gradients(np):
     check_section(np, "model")

@@ -1,6 +1,6 @@
 """Horovod's semantics on a real job: gradients through the collectives, integer scaling, process sets.
 
-Run under ``mpirun`` on any number of ranks (the tests use 2 and 4). Every rank rebuilds every
+Run under ``mpirun`` on any number of ranks (the tests use 2, 3 and 4). Every rank rebuilds every
 rank's inputs (and every rank's upstream gradient) from seeds, computes the expected results
 and the expected gradients locally with NumPy, and reports each check through
 :class:`job_report.Tally` (``FAIL ...`` lines, then ``DONE <cases> cases, <failures> failures``).
@@ -9,17 +9,19 @@ The backward rules checked (Horovod's, see ``worker/frontend/differentiable.py``
 ``sum(result * W_rank)`` on every rank, whose gradient with respect to the result is ``W_rank``:
 
 * allreduce(op, pre, post): allreduce(W, op, pre, post)
-* allgather: (sum of the members' W)[this rank's rows]
+* allgather: (mean of the members' W)[this rank's rows]
 * broadcast(root): the members' mean W on the root, zeros elsewhere
 * alltoall(splits): the rows of the members' W that came from this rank, sent back
-* reducescatter(op, pre, post): the members' W concatenated, times pre*post (/ size for Average)
+* reducescatter(op, pre, post): the members' W concatenated, times size for Sum (not for
+  Average), times pre*post
 * the grouped forms: the same per tensor
 
 Sections (``sys.argv[1:]``, default all): ``gradients``, ``graph``, ``integers``, ``model``.
 Each case name starts with its section (``FAIL gradients: ...``), and each section ends with
 ``CASES <section> <count>`` on every rank.
 Each collective runs in the global set, and in the set of even ranks or of odd ranks (at
-2 ranks, sets of one rank), whichever this rank belongs to.
+2 ranks, sets of one rank; at 3 ranks, one set of two and one of one), whichever this rank
+belongs to. ``horovod_examples`` also checks the literal values issue 29 reported.
 """
 
 import sys
@@ -198,9 +200,10 @@ def allgather_case(set_name, ps, members, dtype, dims):
     result = rm.allgather(x, process_set=ps)
     check(f"{case}: result", result, np.concatenate([xs[r] for r in members]), dtype)
     upstream(result, case).backward()
-    total = sum(f64(w) for w in weights_of(members, {r: result.shape for r in members}, dtype, case).values())
+    mean = sum(f64(w) for w in weights_of(members, {r: result.shape for r in members}, dtype, case).values()) / len(
+        members)
     start = offsets([rows[r] for r in members])[members.index(RANK)]
-    check(f"{case}: grad", x.grad, total[start:start + rows[RANK]], dtype)
+    check(f"{case}: grad", x.grad, mean[start:start + rows[RANK]], dtype)
 
 
 def grouped_allgather_case(set_name, ps, members, dtype):
@@ -217,9 +220,10 @@ def grouped_allgather_case(set_name, ps, members, dtype):
     loss.backward()
     for i in range(len(tails)):
         gathered = (sum(rows[i].values()), *tails[i])
-        total = sum(f64(w) for w in weights_of(members, {r: gathered for r in members}, dtype, case, i).values())
+        mean = sum(f64(w) for w in weights_of(members, {r: gathered for r in members}, dtype, case,
+                                              i).values()) / len(members)
         start = offsets([rows[i][r] for r in members])[members.index(RANK)]
-        check(f"{case}: grad {i}", inputs[i].grad, total[start:start + rows[i][RANK]], dtype)
+        check(f"{case}: grad {i}", inputs[i].grad, mean[start:start + rows[i][RANK]], dtype)
 
 
 def broadcast_case(set_name, ps, members, dtype, dims, root):
@@ -276,7 +280,7 @@ def reducescatter_case(set_name, ps, members, dtype, dims, op_name, pre, post):
     check(f"{case}: result", result, reduce_np(xs.values(), op_name, pre, post)[starts[me]:starts[me + 1]], dtype)
     upstream(result, case).backward()
     ws = [normal((counts[j], *SHAPES[dims]), dtype, case, "W", members[j]) for j in range(n)]
-    factor = pre * post / (n if op_name == "Average" else 1)
+    factor = (n if op_name == "Sum" else 1) * pre * post
     check(f"{case}: grad", x.grad, np.concatenate([f64(w) for w in ws]) * factor, dtype)
 
 
@@ -295,7 +299,7 @@ def grouped_reducescatter_case(set_name, ps, members, dtype, op_name, pre, post)
               reduce_np(xs[i].values(), op_name, pre, post)[starts[me]:starts[me + 1]], dtype)
         loss = loss + upstream(result, case, i)
     loss.backward()
-    factor = pre * post / (n if op_name == "Average" else 1)
+    factor = (n if op_name == "Sum" else 1) * pre * post
     for i, shape in enumerate(shapes):
         counts = blocks(shape[0], n)
         ws = [normal((counts[j], *shape[1:]), dtype, case, i, "W", members[j]) for j in range(n)]
@@ -314,8 +318,8 @@ def chain_case(set_name, ps, members, dtype):
     mean = reduce_np(xs.values(), "Average")
     check(f"{case}: result", result, np.concatenate([mean * f64(scales[r]) for r in members]), dtype)
     upstream(result, case).backward()
-    total = sum(f64(w) for w in weights_of(members, {r: (2 * n, 3) for r in members}, dtype, case).values())
-    grads_of_hidden = [total[2 * i:2 * i + 2] * f64(scales[r]) for i, r in enumerate(members)]
+    mean = sum(f64(w) for w in weights_of(members, {r: (2 * n, 3) for r in members}, dtype, case).values()) / n
+    grads_of_hidden = [mean[2 * i:2 * i + 2] * f64(scales[r]) for i, r in enumerate(members)]
     check(f"{case}: grad", x.grad, sum(grads_of_hidden) / n, dtype)
 
 
@@ -329,8 +333,8 @@ def extra_cases(set_name, ps, members):
     result = rm.allgather(x, process_set=ps)
     check(f"{case}: result", result, np.array([xs[r] for r in members]), torch.float64)
     upstream(result, case).backward()
-    total = sum(f64(w) for w in weights_of(members, {r: (n,) for r in members}, torch.float64, case).values())
-    check(f"{case}: grad", x.grad, total[me], torch.float64)
+    mean = sum(f64(w) for w in weights_of(members, {r: (n,) for r in members}, torch.float64, case).values()) / n
+    check(f"{case}: grad", x.grad, mean[me], torch.float64)
 
     case = f"allreduce non-contiguous input set={set_name}"
     xs = {r: normal((3, 4), torch.float64, case, "x", r) for r in members}
@@ -382,10 +386,10 @@ def extra_cases(set_name, ps, members):
     inputs = [leaf(xs[0][RANK]), leaf(xs[1][RANK])]
     results = rm.grouped_allgather(inputs, process_set=ps)
     upstream(results[1], case).backward()
-    total = sum(f64(w) for w in weights_of(members, {r: results[1].shape for r in members}, torch.float64,
-                                           case).values())
+    mean = sum(f64(w) for w in weights_of(members, {r: results[1].shape for r in members}, torch.float64,
+                                          case).values()) / n
     start = offsets([rows[r] for r in members])[me]
-    check(f"{case}: grad of the used one", inputs[1].grad, total[start:start + rows[RANK]], torch.float64)
+    check(f"{case}: grad of the used one", inputs[1].grad, mean[start:start + rows[RANK]], torch.float64)
     check(f"{case}: grad of the unused one", inputs[0].grad, np.zeros((rows[RANK], 2)), torch.float64)
 
     case = f"alltoall splits as a tensor set={set_name}"
@@ -400,6 +404,40 @@ def extra_cases(set_name, ps, members):
     ws = [normal((sum(splits[i][j] for i in range(n)), 2), torch.float64, case, "W", members[j]) for j in range(n)]
     back = [ws[j][sum(splits[i][j] for i in range(me)):][:splits[me][j]] for j in range(n)]
     check(f"{case}: grad", x.grad, np.concatenate(back), torch.float64)
+
+
+def issue_examples(set_name, ps, members):
+    """The values issue 29 reported, literally: every member passes the same upstream gradient."""
+    n, me = len(members), members.index(RANK)
+    case = f"issue 29 allgather set={set_name}"
+    x = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    result = rm.allgather(x, process_set=ps)
+    result.backward(torch.cat([torch.full((2,), float(p), dtype=torch.float64) for p in range(n)]))
+    check(f"{case}: grad", x.grad, np.full(2, float(me)), torch.float64)  # the sum rule gave n * me
+
+    case = f"issue 29 grouped_allgather set={set_name}"
+    xs = [torch.zeros(2, dtype=torch.float64, requires_grad=True), torch.zeros(1, 3, requires_grad=True)]
+    results = rm.grouped_allgather(xs, process_set=ps)
+    torch.autograd.backward(results, [torch.cat([torch.full((2,), float(p), dtype=torch.float64) for p in range(n)]),
+                                      torch.ones(n, 3)])
+    check(f"{case}: grad 0", xs[0].grad, np.full(2, float(me)), torch.float64)
+    check(f"{case}: grad 1", xs[1].grad, np.ones((1, 3)), torch.float32)
+
+    for op_name, pre, post, factor in [("Sum", 1.0, 1.0, n), ("Average", 1.0, 1.0, 1),
+                                       ("Sum", 0.5, 3.0, n * 1.5), ("Average", 2.0, 0.25, 0.5)]:
+        case = f"issue 29 reducescatter {op_name} pre={pre} post={post} set={set_name}"
+        x = torch.zeros(2 * n, requires_grad=True)
+        result = rm.reducescatter(x, op=OPS[op_name], prescale_factor=pre, postscale_factor=post, process_set=ps)
+        result.backward(torch.ones(2))
+        check(f"{case}: grad", x.grad, np.full(2 * n, float(factor)), torch.float32)
+
+        case = f"issue 29 grouped_reducescatter {op_name} pre={pre} post={post} set={set_name}"
+        xs = [torch.zeros(2 * n, requires_grad=True), torch.zeros(n, 2, dtype=torch.float64, requires_grad=True)]
+        results = rm.grouped_reducescatter(xs, op=OPS[op_name], prescale_factor=pre, postscale_factor=post,
+                                           process_set=ps)
+        torch.autograd.backward(results, [torch.ones(2), torch.ones(1, 2, dtype=torch.float64)])
+        check(f"{case}: grad 0", xs[0].grad, np.full(2 * n, float(factor)), torch.float32)
+        check(f"{case}: grad 1", xs[1].grad, np.full((n, 2), float(factor)), torch.float64)
 
 
 def gradients():
@@ -436,6 +474,7 @@ def gradients():
                     lambda: allreduce_case(set_name, ps, members, torch.float16, dims, op_name, pre, post))
         run(f"allgather float16 {set_name}", lambda: allgather_case(set_name, ps, members, torch.float16, "2d"))
         run(f"extras {set_name}", lambda: extra_cases(set_name, ps, members))
+        run(f"issue 29 {set_name}", lambda: issue_examples(set_name, ps, members))
         for op_name in ("Min", "Max"):
             run(f"allreduce {op_name} {set_name}",
                 lambda: allreduce_case(set_name, ps, members, torch.float32, "2d", op_name, 1.0, 1.0))
@@ -647,9 +686,8 @@ def model_parallel(set_name, ps, members):
 
     Each member computes its features' partial output; an allgather of the partials
     (features first) gives the full output on every member. Every member computes the same loss,
-    divided by the set's size: allgather's backward sums the members' gradients, so the members'
-    losses add up to the single-process loss, and each shard's gradient must be the matching
-    slice of the single-process gradient.
+    the single-process loss: allgather's backward averages the members' (equal) gradients, so
+    each shard's gradient must be the matching slice of the single-process gradient.
     """
     n, me = len(members), members.index(RANK)
     batch, features_in, per_rank = 5, 4, 3
@@ -678,8 +716,8 @@ def model_parallel(set_name, ps, members):
     partial = torch.nn.functional.linear(shard_inputs, shard_weight, shard_bias)  # (batch, per_rank)
     output = rm.allgather(partial.t(), process_set=ps).t()  # (batch, features_out)
     check(f"model set={set_name}: output", output, reference_output.detach().numpy(), torch.float64)
-    loss = loss_of(output) / n
-    check(f"model set={set_name}: loss", loss.detach() * n, reference_loss.detach().numpy(), torch.float64)
+    loss = loss_of(output)
+    check(f"model set={set_name}: loss", loss.detach(), reference_loss.detach().numpy(), torch.float64)
     loss.backward()
     check(f"model set={set_name}: weight shard grad", shard_weight.grad, reference_weight.grad[mine].numpy(),
           torch.float64)

@@ -10,13 +10,19 @@ over the same process set, run by every member in the order autograd reaches it:
 forward                     backward of the gradient ``g``
 ==========================  ===============================================================
 allreduce(op, pre, post)    allreduce(g) with the same op and scaling factors
-allgather                   allreduce(g, Sum), then this rank's rows
+allgather                   allreduce(g, Average), then this rank's rows
 broadcast(root)             allreduce(g, Average) on the root; zeros on the other ranks
 alltoall(splits)            alltoall(g) with the splits this rank received
-reducescatter(op, pre, post)  allgather(g), divided by the set's size for Average, times pre·post
+reducescatter(op, pre, post)  allgather(g), times the set's size for Sum, then times pre, then post
 ==========================  ===============================================================
 
-The grouped forms do the same per tensor, negotiated as one group. In-place (``*_``) and
+The grouped forms do the same per tensor, negotiated as one group. These are Horovod 0.28's
+rules, kept where another one would be cleaner: if every rank's loss is summed into one job
+loss, the exact gradient of allgather is the *sum* of the members' gradients (Horovod's
+average is that divided by the set's size), and the exact gradient of reducescatter is
+allgather(g) for Sum and allgather(g) / size for Average (Horovod's is that times the set's
+size). Scripts written for Horovod were tuned with Horovod's, so they are the rules here
+(docs/migrating-from-horovod.md shows how to get the exact ones). In-place (``*_``) and
 ``*_async`` forms stay outside autograd, as in Horovod. Without grad (inputs that do not
 require it, or under ``torch.no_grad()``) the functions call the collectives directly, with no
 autograd bookkeeping.
@@ -113,7 +119,8 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         process_set = ctx.process_set
-        reduced = _allreduce_now([g.contiguous() for g in grads], not ctx.grouped, None, None, c.Sum, 1.0, 1.0,
+        # Horovod averages the members' gradients (allreduce(grad, average=True))
+        reduced = _allreduce_now([g.contiguous() for g in grads], not ctx.grouped, None, None, c.Average, 1.0, 1.0,
                                  process_set)
         # every member's first dimensions, one row per member in the set's order
         rows = c.allgather(torch.tensor([ctx.rows], dtype=torch.int64), process_set=process_set)
@@ -128,8 +135,8 @@ def _as_rows(tensor):
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Gather ``tensor`` from all ranks, concatenated along the first dimension (first dimensions
-    may differ between ranks). Differentiable: the gradient is summed over the ranks and each
-    rank keeps its own rows."""
+    may differ between ranks). Differentiable, with Horovod's rule: the gradient is averaged over
+    the ranks (of the set) and each rank keeps its own rows."""
     tensor = _as_rows(tensor)
     if not _tracks_grad([tensor]):
         return c.allgather(tensor, name, process_set)
@@ -215,17 +222,20 @@ class _Reducescatter(torch.autograd.Function):
         grads = [g.contiguous() for g in grads]
         gathered = c.grouped_allgather(grads, None, process_set) if grouped else \
             [c.allgather(grads[0], None, process_set)]
-        factor = prescale * postscale
-        if op == c.Average:
-            factor /= process_set.size()
-        return (None,) * 6 + tuple(g * factor if factor != 1.0 else g for g in gathered)
+        # Horovod's rule, factor by factor in its order: times the set's size for Sum (Average
+        # leaves the gathered gradient as it is), then times prescale, then times postscale.
+        factors = [f for f in (process_set.size() if op == c.Sum else 1, prescale, postscale) if f != 1]
+        for factor in factors:
+            gathered = [g.mul_(factor) for g in gathered]
+        return (None,) * 6 + tuple(gathered)
 
 
 def reducescatter(tensor, name=None, op=c.Average, prescale_factor=1.0, postscale_factor=1.0,
                   process_set=global_process_set):
     """Reduce ``tensor`` over the ranks; rank ``r`` (of the set) keeps the ``r``-th block of rows
-    (the first ranks one extra row when they do not divide evenly). Differentiable: the gradient
-    is allgathered, divided by the set's size for ``Average``, times both factors."""
+    (the first ranks one extra row when they do not divide evenly). Differentiable, with Horovod's
+    rule: the gradient is allgathered, multiplied by the set's size for ``Sum`` (left as it is for
+    ``Average``), then by ``prescale_factor`` and ``postscale_factor``."""
     if not _tracks_grad([tensor]):
         return c.reducescatter(tensor, name, op, prescale_factor, postscale_factor, process_set)
     return _Reducescatter.apply(False, name, op, prescale_factor, postscale_factor, process_set, tensor)[0]
