@@ -27,6 +27,7 @@ from typing import Dict, Optional, Sequence, Set
 import grpc
 
 from ringmaster.common.config import Config
+from ringmaster.common import keepalive
 from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.coordinator.auth import TokenInterceptor
 from ringmaster.coordinator.negotiation import Negotiator, Stall
@@ -131,7 +132,8 @@ class Coordinator:
         self._stopping = asyncio.Event()
         self._grace = 1.0
         server = grpc.aio.server(interceptors=[TokenInterceptor(self._secret)],
-                                 options=[("grpc.so_reuseport", 0)] + grpc_options(self.config.max_message_bytes))
+                                 options=[("grpc.so_reuseport", 0)] + keepalive.server_options()
+                                 + grpc_options(self.config.max_message_bytes))
         server.add_generic_rpc_handlers((method_handlers(CoordinatorServicer(self)),))
         try:
             self.port = server.add_insecure_port(_join_host_port(self.bind_host, self.port))

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import grpc
 
 from ringmaster.common.config import Config
+from ringmaster.common import keepalive
 from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.coordinator.auth import call_metadata
 from ringmaster.proto import ringmaster_pb2 as pb
@@ -59,11 +60,8 @@ class CoordinatorClient:
         self._welcome_message: Optional[pb.Welcome] = None
         self._start_error: Optional[RingmasterError] = None
         self._closing = False
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ] + grpc_options(max_message_bytes))
+        self._channel = grpc.insecure_channel(address, options=keepalive.client_options()
+                                              + grpc_options(max_message_bytes))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._metadata = call_metadata(secret)
         self._call = None

@@ -1,0 +1,36 @@
+"""gRPC keepalive of the ranks' streams, client and server side derived from one interval.
+
+A rank's channel pings the coordinator every :data:`PING_INTERVAL_MS` when nothing else
+moves, so that a coordinator that died without closing its sockets is noticed. A gRPC
+server, by default, accepts a ping only every 5 minutes while it sends no data itself, and
+may answer the third early one with ``GOAWAY`` ("Too many pings", seen in 8-rank jobs whose
+collectives were all response-cache hits, so that the coordinator sent nothing for a
+minute). The server is therefore told to accept pings at half the clients' interval and
+never to count strikes, and the client interval is never below what the server accepts
+(``tests/test_keepalive.py``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+#: How often a rank pings its stream to the coordinator when nothing else moves on it.
+PING_INTERVAL_MS = 10_000
+#: How long a ping may go unanswered before the stream counts as lost. Generous: pings are
+#: answered by gRPC's core only when one of the coordinator's threads polls, which on an
+#: oversubscribed host can take seconds.
+PING_TIMEOUT_MS = 30_000
+
+
+def client_options(interval_ms: int = PING_INTERVAL_MS, timeout_ms: int = PING_TIMEOUT_MS) -> List[Tuple[str, int]]:
+    """Keepalive options of a rank's channel."""
+    return [("grpc.keepalive_time_ms", interval_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]  # keep pinging through long silences
+
+
+def server_options(client_interval_ms: int = PING_INTERVAL_MS) -> List[Tuple[str, int]]:
+    """Keepalive options of the coordinator's server for clients pinging every ``client_interval_ms``."""
+    return [("grpc.http2.min_recv_ping_interval_without_data_ms", client_interval_ms // 2),
+            ("grpc.http2.max_ping_strikes", 0),  # 0: no GOAWAY for pings, however many
+            ("grpc.keepalive_permit_without_calls", 1)]
