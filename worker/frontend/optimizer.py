@@ -56,6 +56,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._op = op
         self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
+        self._sparse_dims: Dict[torch.Tensor, int] = {}  # parameters seen with a sparse gradient: its sparse_dim()
         self.backward_passes_per_step = backward_passes_per_step
         self._parameter_names = _parameter_names(self.param_groups, named_parameters)
         ordered = [p for group in self.param_groups for p in group["params"]]
@@ -231,6 +232,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         grad = p.grad
         if grad.is_sparse:
+            self._sparse_dims[p] = grad.sparse_dim()
             if not self._sparse_as_dense:
                 return sparse_allreduce_async(grad, name=name, op=self._op, process_set=self._process_set), None, None
             grad = grad.to_dense()
@@ -268,6 +270,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
             grad = p.grad
             if grad.is_sparse:
+                self._sparse_dims[p] = grad.sparse_dim()
                 if not self._sparse_as_dense:
                     raise ValueError(f"parameter '{self._parameter_names[p]}' has a sparse gradient and cannot "
                                      f"be in a group; leave it out of groups= or pass sparse_as_dense=True")
@@ -339,8 +342,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return output
         return self._compression.decompress(output, ctx)
 
-    @staticmethod
-    def _write_gradient(p: torch.Tensor, reduced: torch.Tensor) -> None:
+    def _write_gradient(self, p: torch.Tensor, reduced: torch.Tensor) -> None:
+        sparse_dim = self._sparse_dims.get(p)
+        if sparse_dim is not None and not reduced.is_sparse:
+            # sparse_as_dense: reduced densely, handed back sparse as Horovod does (in the gradient's
+            # own layout, an embedding's whole rows), so that SparseAdam & co. take it; also on a
+            # rank that had no gradient this step and reduced zeros.
+            reduced = reduced.to_sparse(sparse_dim)
         if reduced.is_sparse or p.grad.is_sparse:
             p.grad = reduced
         elif reduced is not p.grad:
@@ -386,9 +394,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
-                              "optimizer.skip_synchronize(): the gradients are reduced twice. Wrap "
-                              "step() in `with optimizer.skip_synchronize():`", stacklevel=2)
+                # Horovod's text first: scripts and tests match it.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(): the gradients are reduced twice. Wrap step() in "
+                              "`with optimizer.skip_synchronize():`", stacklevel=2)
             if closure is None:
                 self.synchronize()
             else:
@@ -456,7 +465,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         groups: an integer (split the parameters into that many fused groups) or a list of
             lists of parameters; each group is reduced as one grouped allreduce once all its
             gradients are ready.
-        sparse_as_dense: reduce sparse gradients as dense tensors instead of allgathering them.
+        sparse_as_dense: reduce sparse gradients as dense tensors instead of allgathering them;
+            the result is handed to the optimizer as a sparse tensor again, as in Horovod.
         process_set: average over the ranks of this process set only; ranks outside it
             step on their own gradients.
     """
