@@ -10,6 +10,8 @@ import sys
 import torch
 
 import ringmaster as rm
+from reference_inputs import rank_input
+from reference_inputs import reference as reference_for
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()
@@ -39,31 +41,8 @@ def check(case, got, expected, dtype):
               f"\n  got {got.flatten()[:6].tolist()}\n  expected {expected.flatten()[:6].tolist()}", flush=True)
 
 
-def rank_input(rank, shape, dtype, op_name="Sum", salt=0):
-    generator = torch.Generator().manual_seed(1000 * rank + 7 * salt + len(shape))
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=generator) > 0.5
-    if op_name == "Product":  # keep products small and exact enough
-        values = torch.randint(1, 3, shape, generator=generator)
-        return values.to(dtype) if not dtype.is_floating_point else (values.double() * 0.5 + 0.5).to(dtype)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator).to(dtype)
-    high = 50 if dtype == torch.uint8 else 1000
-    return torch.randint(0, high, shape, generator=generator).to(dtype)
-
-
 def reference(inputs, op_name, dtype):
-    if dtype == torch.bool:
-        stacked = torch.stack(inputs)
-        return stacked.any(0) if op_name in ("Sum", "Max") else stacked.all(0)
-    stacked = torch.stack([t.double() for t in inputs])
-    result = {"Sum": lambda s: s.sum(0), "Average": lambda s: s.sum(0), "Min": lambda s: s.min(0).values,
-              "Max": lambda s: s.max(0).values, "Product": lambda s: s.prod(0)}[op_name](stacked)
-    if op_name == "Average":
-        result = result / SIZE if dtype.is_floating_point else torch.floor(result / SIZE)
-    if not dtype.is_floating_point:
-        result = result.to(torch.int64).to(dtype)  # wrap like the dtype does (uint8 sums)
-    return result.to(dtype)
+    return reference_for(inputs, op_name, dtype, SIZE)
 
 
 # ----------------------------------------------------------------- allreduce

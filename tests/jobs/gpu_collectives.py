@@ -12,6 +12,8 @@ import sys
 import torch
 
 import ringmaster as rm
+from reference_inputs import rank_input
+from reference_inputs import reference as reference_for
 from job_report import Tally
 
 rm.init()
@@ -42,30 +44,8 @@ def check(case, got, expected):
     TALLY.report(case, ok, f"got {got.flatten()[:5].tolist()} expected {expected.flatten()[:5].tolist()}")
 
 
-def rank_input(rank, shape, dtype, op_name="Sum", salt=0):
-    generator = torch.Generator().manual_seed(1000 * rank + 7 * salt + len(shape))
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=generator) > 0.5
-    if op_name == "Product":
-        values = torch.randint(1, 3, shape, generator=generator)
-        return values.to(dtype) if not dtype.is_floating_point else (values.double() * 0.5 + 0.5).to(dtype)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator).to(dtype)
-    return torch.randint(0, 50 if dtype == torch.uint8 else 1000, shape, generator=generator).to(dtype)
-
-
 def reference(inputs, op_name, dtype):
-    if dtype == torch.bool:
-        stacked = torch.stack(inputs)
-        return stacked.any(0) if op_name in ("Sum", "Max") else stacked.all(0)
-    stacked = torch.stack([t.double() for t in inputs])
-    result = {"Sum": lambda s: s.sum(0), "Average": lambda s: s.sum(0), "Min": lambda s: s.min(0).values,
-              "Max": lambda s: s.max(0).values, "Product": lambda s: s.prod(0)}[op_name](stacked)
-    if op_name == "Average":
-        result = result / SIZE if dtype.is_floating_point else torch.trunc(result / SIZE)
-    if not dtype.is_floating_point:
-        result = result.to(torch.int64).to(dtype)
-    return result.to(dtype)
+    return reference_for(inputs, op_name, dtype, SIZE)
 
 
 # ----------------------------------------------------------------- allreduce
