@@ -20,6 +20,9 @@ path                        method   meaning
 :data:`HOSTS_PATH`          POST     the driver: hosts changed, bump the version
 :data:`NEW_GENERATION_PATH` POST     the driver: a new generation starts
 :data:`COMMITS_PATH`        GET      how many snapshots were stored so far
+:data:`EXITS_PATH`          POST     a rank that shrank in place, at exit: ``size rank
+                                     status`` (its last communicator's size and rank)
+:data:`EXITS_PATH`          GET      the driver: this generation's exits, one such line each
 ==========================  =======  ===================================================
 
 This module is shared by launcher and ranks: no torch, no MPI.
@@ -27,7 +30,7 @@ This module is shared by launcher and ranks: no torch, no MPI.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional, Tuple
 
 #: ``host:port`` of the driver's state service (set by an elastic ringrun only).
 ADDR_VAR = "RINGMASTER_ELASTIC_ADDR"
@@ -53,6 +56,9 @@ REFORM_PATH = "/reform"
 NEW_GENERATION_PATH = "/generation"
 #: How many snapshots were stored so far, as decimal text (without fetching the last one).
 COMMITS_PATH = "/commits"
+#: How the ranks that shrank in place ended: ``mpirun`` reports the status of a rank lost
+#: earlier, and the driver asks here whether the ranks still in the job all finished.
+EXITS_PATH = "/exits"
 
 #: The largest snapshot the service accepts (bytes); a bigger PUT is refused with 413.
 MAX_SNAPSHOT_BYTES = 16 * 1024 ** 3
@@ -170,5 +176,15 @@ class ServiceClient:
         return int(self._call("POST", HOSTS_PATH, b"1"))
 
     def new_generation(self) -> None:
-        """Clear the re-form request before the next generation starts (the driver)."""
+        """Clear the re-form request (and the exits) before the next generation starts (the driver)."""
         self._call("POST", NEW_GENERATION_PATH, b"1")
+
+    def report_exit(self, size: int, rank: int, status: int) -> None:
+        """A rank that shrank in place leaves with ``status``; ``size`` and ``rank`` are its last
+        communicator's."""
+        self._call("POST", EXITS_PATH, f"{int(size)} {int(rank)} {int(status)}".encode())
+
+    def exits(self) -> List[Tuple[int, int, int]]:
+        """This generation's reported exits, as ``(size, rank, status)`` (the driver)."""
+        text = self._call("GET", EXITS_PATH).decode()
+        return [tuple(int(field) for field in line.split()) for line in text.splitlines() if line.strip()]

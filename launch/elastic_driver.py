@@ -24,7 +24,9 @@ Algorithm (one loop in ringrun's main thread, which stays single-threaded):
    place (:mod:`ringmaster.worker.runtime.elastic_shrink`): blacklist the failed host, count a
    re-form, go on; an abort not followed by one within the grace (3 s, plus the shrink timeout
    under ULFM) means ``mpirun`` hangs (an unreachable host's daemon): kill it.
-4. When ``mpirun`` ends: the ranks asked to re-form → next generation; status 0 → done;
+4. When ``mpirun`` ends: the ranks asked to re-form → next generation; status 0 → done; a
+   non-zero status after the job shrank in place, when every rank still in it reported status
+   0 at exit to the state service (``mpirun`` reports the lost rank's status) → done, status 0;
    otherwise the coordinator's last abort names the rank and host that failed: that host is
    blacklisted for a cooldown (doubling with each failure) and the job re-forms without it
    from the last commit the service holds, up to ``--reset-limit`` re-forms in all. A failure
@@ -273,6 +275,8 @@ class ElasticDriver:
                     return 0
                 elif self._interrupted:
                     return generation.status
+                elif self._survivors_finished(generation):
+                    return 0
                 else:
                     why = self._blame(generation)
                 error = self._count_reset(why)
@@ -473,6 +477,23 @@ class ElasticDriver:
             return False
         self._say(f"{what}: the other ranks shrank the job in place to {size} rank(s) and go on from the last "
                   f"commit (re-form {self.resets})")
+        return True
+
+    def _survivors_finished(self, generation: Generation) -> bool:
+        """True when mpirun's status is that of a rank lost earlier: the job shrank in place, and
+        every rank still in it reported status 0 at exit (``mpirun`` reports the lost rank's
+        status, 1 after ``os._exit(1)`` or an exception; a rank killed by a signal leaves 0)."""
+        if generation.report is not None:  # an abort the survivors did not shrink past
+            return False
+        try:
+            exits = [(rank, status) for size, rank, status in self._service.exits() if size == generation.num_proc]
+        except protocol.ServiceError:
+            return False
+        if sorted({rank for rank, _ in exits}) != list(range(generation.num_proc)) or any(s for _, s in exits):
+            return False
+        self._say(f"generation {generation.number}: mpirun ended with status {generation.status}, a lost "
+                  f"rank's; the {generation.num_proc} rank(s) still in the job all finished with status 0, "
+                  f"so the job succeeded")
         return True
 
     def _blame(self, generation: Generation) -> str:

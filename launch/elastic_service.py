@@ -9,7 +9,8 @@ Rank 0 stores each committed snapshot here (``PUT /state``); when a generation e
 a rank or host was lost or because hosts were added, the next generation's rank 0 fetches
 it (``GET /state``) and broadcasts it to the others. The service also answers the host-set
 version (``GET /hosts``), which :meth:`State.check_host_updates` compares with the one its
-generation started with, and takes rank 0's request to re-form (``POST /reform``).
+generation started with, takes rank 0's request to re-form (``POST /reform``), and keeps
+how each rank that shrank in place ended (``POST /exits``), which ``mpirun``'s status cannot say.
 
 Every request must carry the job token in :data:`~ringmaster.common.elastic.TOKEN_HEADER`
 (compared in constant time); others get 401 and are logged without the token.
@@ -21,7 +22,7 @@ import hmac
 import http.server
 import threading
 import time
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from ringmaster.common import elastic as protocol
 
@@ -45,6 +46,7 @@ class StateService:
         self.commits = 0
         self.hosts_version = 0
         self.reform_requested = False
+        self.exits: List[Tuple[int, int, int]] = []
         service = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -82,8 +84,26 @@ class StateService:
                     self._reply(200, b"1" if service.reform_requested else b"0")
                 elif self.path == protocol.COMMITS_PATH:
                     self._reply(200, str(service.snapshot_info()[0]).encode())
+                elif self.path == protocol.EXITS_PATH:
+                    with service._lock:
+                        lines = "".join(f"{size} {rank} {status}\n" for size, rank, status in service.exits)
+                    self._reply(200, lines.encode())
                 else:
                     self._reply(404)
+
+            def _take_exit(self) -> None:
+                try:
+                    length = int(self.headers.get("Content-Length", ""))
+                    if not 0 < length <= 64:
+                        raise ValueError(length)
+                    size, rank, status = (int(field) for field in self.rfile.read(length).decode().split())
+                except ValueError:
+                    self.close_connection = True  # what is left of the body is not a request
+                    self._reply(400, b"expected 'size rank status'\n")
+                    return
+                with service._lock:
+                    service.exits.append((size, rank, status))
+                self._reply(204)
 
             def do_PUT(self):  # noqa: N802
                 if not self._authorized():
@@ -121,6 +141,8 @@ class StateService:
                 elif self.path == protocol.NEW_GENERATION_PATH:  # the driver, between generations
                     service.new_generation()
                     self._reply(204)
+                elif self.path == protocol.EXITS_PATH:  # a rank that shrank in place, at exit
+                    self._take_exit()
                 else:
                     self._reply(404)
 
@@ -160,8 +182,10 @@ class StateService:
             return self.commits, len(self._snapshot) if self._snapshot is not None else 0
 
     def new_generation(self) -> None:
-        """Forget the previous generation's re-form request."""
+        """Forget the previous generation's re-form request and exits."""
         self.reform_requested = False
+        with self._lock:
+            self.exits = []
 
     def announce_hosts_changed(self) -> None:
         """Tell the ranks, at their next ``commit()``/``check_host_updates()``, to re-form."""

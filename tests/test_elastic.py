@@ -2,7 +2,8 @@
 host discovery, the blacklist's cooldown, the choice of a generation's hosts, the driver's
 state service (a real HTTP server in a real process), ElasticSampler's re-sharding and
 TorchState's save/restore/snapshot in one process. The jobs themselves run on the
-namespace cluster (tests/test_elastic_cluster.py)."""
+namespace cluster (tests/test_elastic_cluster.py) and, for ranks lost on this host,
+in tests/test_elastic_local.py."""
 
 from __future__ import annotations
 
@@ -134,6 +135,23 @@ def test_state_service_keeps_the_last_snapshot_and_refuses_calls_without_the_tok
     assert client.get_state() == b"x" * 3_000_000
     process.stdin.close()
     assert process.wait(10) == 0
+
+
+@pytest.mark.timeout(30)
+def test_state_service_keeps_the_exits_of_ranks_that_shrank_until_the_next_generation(service):
+    address, secret, _ = service
+    client = protocol.ServiceClient(address, secret, timeout_s=5)
+    assert client.exits() == []
+    client.report_exit(2, 1, 0)
+    client.report_exit(2, 0, 1)
+    assert client.exits() == [(2, 1, 0), (2, 0, 1)]
+    with pytest.raises(protocol.ServiceError, match="refused POST /exits: 400 expected 'size rank status'"):
+        client._call("POST", protocol.EXITS_PATH, b"two 1")
+    with pytest.raises(protocol.ServiceError, match="refused POST /exits: 401"):
+        protocol.ServiceClient(address, "wrong", timeout_s=5).report_exit(2, 0, 0)
+    assert client.exits() == [(2, 1, 0), (2, 0, 1)]
+    client.new_generation()
+    assert client.exits() == []
 
 
 # ------------------------------------------------------------------ sampler and state, one process

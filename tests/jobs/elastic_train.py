@@ -1,13 +1,16 @@
 """An elastic training job whose every committed step can be replayed in one process.
 
 ``python elastic_train.py OUT [--epochs E] [--examples N] [--batch B] [--commit-every C]
-[--step-sleep S]``: a tiny MLP trained with momentum SGD under ``@rm.elastic.run`` on an
+[--step-sleep S] [--die-at-step K --die-rank R --die-how exit|kill|raise] [--fail-at-end R]``: a tiny MLP trained with momentum SGD under ``@rm.elastic.run`` on an
 ``ElasticSampler``; the state carries ``history``, one entry per optimizer step
 ``(world size, [each rank's dataset indices])``, so that it holds exactly the steps the
 final parameters went through (steps after the last commit before a failure are rolled
 back with the state). Each rank prints ``STEP g s rank r host h pid p`` after each step (``g`` the
 generation); the reset callback prints ``RESET size n``; at the end rank 0 saves
-``{"history", "state_dict", "resets"}`` to OUT and prints ``DONE``.
+``{"history", "state_dict", "resets"}`` to OUT and prints ``DONE``. With ``--die-at-step K``,
+rank R of the job as first started ends itself just before its K-th step (``os._exit(1)``,
+SIGKILL, or an exception out of the training function), as a rank lost mid-job. With
+``--fail-at-end R``, rank R raises an exception once training is done (a survivor that fails).
 
 :func:`replay` is the single-process reference: the same model from the same seed, and for
 each history entry the average of the per-rank gradients of each rank's mean loss.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
@@ -75,12 +79,27 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--commit-every", type=int, default=2)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--die-at-step", type=int, default=0)
+    parser.add_argument("--die-rank", type=int, default=0)
+    parser.add_argument("--die-how", choices=["exit", "kill", "raise"], default="exit")
+    parser.add_argument("--fail-at-end", type=int, default=-1)
     args = parser.parse_args()
 
     import ringmaster as rm
 
     rm.init()
     generation = int(os.environ.get("RINGMASTER_ELASTIC_GENERATION", "0"))
+    first_size = rm.size()
+
+    def maybe_die():
+        if (args.die_at_step and generation == 0 and rm.size() == first_size and rm.rank() == args.die_rank
+                and len(state.history) + 1 == args.die_at_step):
+            print(f"DYING rank {rm.rank()} by {args.die_how} before step {args.die_at_step}", flush=True)
+            if args.die_how == "exit":
+                os._exit(1)
+            if args.die_how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"rank {rm.rank()} fails on purpose before step {args.die_at_step}")
     host = socket.gethostname()
     model = make_model()
     x, y = make_data(args.examples)
@@ -104,6 +123,7 @@ def main() -> int:
                 index = torch.tensor(batch, dtype=torch.long)
                 optimizer.zero_grad()
                 loss_of(model, x[index], y[index]).backward()
+                maybe_die()
                 optimizer.step()
                 sampler.record_indices(batch)
                 state.history.append((rm.size(), rm.allgather_object(batch)))
@@ -118,6 +138,8 @@ def main() -> int:
             state.commit()
 
     train(state)
+    if rm.rank() == args.fail_at_end:
+        raise RuntimeError(f"rank {rm.rank()} fails on purpose after training")
     if rm.rank() == 0:
         torch.save({"history": state.history, "state_dict": model.state_dict(), "resets": state.resets,
                     "size": rm.size()}, args.out)

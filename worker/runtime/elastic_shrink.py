@@ -17,7 +17,11 @@ and a rank of the job failed while its host's MPI daemon lives on:
 
 The caller then runs ``rm.init(comm=shrunk)``: a new coordinator session of the new size.
 After a shrink, ``MPI_Finalize`` would wait for the dead rank forever, so this module
-registers an exit hook that shuts ringmaster down and leaves with ``os._exit``.
+registers an exit hook that shuts ringmaster down and leaves with ``os._exit``. Before it
+leaves, the hook tells the elastic driver's state service its status, with its rank and size
+in the shrunk job: ``mpirun`` ends with the status of the rank lost earlier (1 after an
+``os._exit(1)`` or an exception), and the driver then learns from these reports that the ranks
+still in the job all finished, so that the job's status is 0.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import sys
 import threading
 from typing import List
 
+from ringmaster.common import elastic as protocol
 from ringmaster.common.elastic import SHRINK_TIMEOUT_VAR, SHRINK_VAR, shrink_timeout_s
 from ringmaster.ops import waiting
 from ringmaster.worker.runtime import current, lifecycle
@@ -37,6 +42,10 @@ from ringmaster.worker.runtime.errors import RingmasterError
 log = logging.getLogger("ringmaster.elastic")
 
 _exit_hook_installed = False
+#: (rank, size) in the communicator of the last shrink: what the exit report names.
+_membership = None
+#: Bound on the exit report (the state service runs on the launch host).
+EXIT_REPORT_TIMEOUT_S = 5.0
 
 
 def shrink_enabled() -> bool:
@@ -139,6 +148,8 @@ def shrink_failed_runtime():
                            f"({SHRINK_TIMEOUT_VAR}): MPI has not learnt of the failure (a host cut off?)")
     if "error" in result:
         raise RuntimeError(f"MPI could not shrink the job's communicator: {result['error']}")
+    global _membership
+    _membership = (result["comm"].Get_rank(), result["comm"].Get_size())
     return result["comm"]
 
 
@@ -161,8 +172,23 @@ def _install_exit_hook() -> None:
             code = 1
         if getattr(lifecycle, "_unhandled_exception", False):
             code = 1
+        _report_exit(code)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
 
     atexit.register(leave)
+
+
+def _report_exit(code: int) -> None:
+    """Tell the elastic driver how this rank of the shrunk job ends (best effort, bounded)."""
+    address = protocol.elastic_address(os.environ)
+    if address is None or _membership is None:
+        return
+    rank, size = _membership
+    try:
+        client = protocol.ServiceClient(address, os.environ.get("RINGMASTER_SECRET", ""),
+                                        timeout_s=EXIT_REPORT_TIMEOUT_S)
+        client.report_exit(size, rank, code)
+    except protocol.ServiceError as error:  # the driver then goes by mpirun's status alone
+        log.warning("elastic: rank %d could not report its exit status %d to ringrun: %s", rank, code, error)
