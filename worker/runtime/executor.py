@@ -13,15 +13,13 @@ size, and skips responses of sets this rank is not in.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import math
 import os
 import queue
 import sys
 import threading
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -29,10 +27,11 @@ import torch
 from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
-from ringmaster.worker.runtime.device import Devices, ready_event
+from ringmaster.worker.runtime.allreduce_paths import OPS_REDUCTION, AllreducePaths, _scale_
+from ringmaster.worker.runtime.device import Devices
+from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable  # noqa: F401 (Entry: re-exported)
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
 from ringmaster.worker.runtime.gradient_plan import overlaps_all
-from ringmaster.worker.runtime.handles import Handle
 from ringmaster.worker.runtime.result_memory import ResultPool
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
 
@@ -43,84 +42,9 @@ _STOP = object()
 #: Responses the response cache may reuse (see ``response_cache``; kept here to avoid a cycle).
 CACHEABLE_OPS = (pb.ALLREDUCE, pb.BROADCAST)
 
-#: Tensors of at least this many bytes are never copied into the fusion buffer: at about
-#: 10 GB/s of memory bandwidth the two copies cost more than a separate allreduce call.
-UNFUSED_MIN_BYTES = 1 << 20
-
-OPS_REDUCTION = {pb.SUM: "sum", pb.AVERAGE: "sum", pb.MIN: "min", pb.MAX: "max", pb.PRODUCT: "prod"}
 
 
-@dataclasses.dataclass
-class Entry:
-    """One tensor this rank submitted and is waiting on."""
-
-    name: str
-    op_type: int
-    tensor: torch.Tensor                     # contiguous input
-    handle: Handle
-    part: int = 0                            # position in a grouped handle
-    output: Optional[torch.Tensor] = None    # where the result goes; None: a new tensor (out of place)
-    copy_back: Optional[torch.Tensor] = None  # non-contiguous in-place target
-    returns: Optional[torch.Tensor] = None    # in place: the caller's own tensor, handed back
-    process_set_id: int = 0                  # the set that runs it (0: every rank)
-    cache_key: Optional[tuple] = None        # its signature, if the response cache may run it again
-    #: CUDA tensors: an event on the producing stream, recorded at submission (device.ready_event).
-    ready_event: object = None
-
-    def __post_init__(self):
-        if self.ready_event is None:
-            self.ready_event = ready_event(self.tensor)
-
-
-class TensorTable:
-    """Tensors submitted by the user's threads, by (process set, name), until the background thread runs them."""
-
-    def __init__(self):
-        self._entries: Dict[tuple, Entry] = {}
-        self._lock = threading.Lock()
-
-    def add(self, entry: Entry) -> None:
-        key = (entry.process_set_id, entry.name)
-        with self._lock:
-            if key in self._entries:
-                where = f" in process set {entry.process_set_id}" if entry.process_set_id else ""
-                raise ValueError(f"a collective named '{entry.name}'{where} is already in flight on this rank; "
-                                 f"synchronize it first or pass a different name=")
-            self._entries[key] = entry
-
-    def take(self, process_set_id: int, name: str) -> Optional[Entry]:
-        with self._lock:
-            return self._entries.pop((process_set_id, name), None)
-
-    def drop(self, process_set_id: int, name: str) -> None:
-        self.take(process_set_id, name)
-
-    def device_index(self, process_set_id: int, names) -> Optional[int]:
-        """The GPU of the first of ``names`` in flight here that is a CUDA tensor (else None)."""
-        with self._lock:
-            for name in names:
-                entry = self._entries.get((process_set_id, name))
-                if entry is not None and getattr(entry.tensor, "is_cuda", False):
-                    return entry.tensor.device.index
-        return None
-
-    def cache_keys(self, process_set_id: int, names) -> Dict[str, Optional[tuple]]:
-        """The cache key of each of ``names`` in flight here (a name not here: None)."""
-        with self._lock:
-            return {name: getattr(self._entries.get((process_set_id, name)), "cache_key", None) for name in names}
-
-
-@dataclasses.dataclass(frozen=True)
-class SetComm:
-    """A process set as this rank's background thread runs it: its communicator and members."""
-
-    comm: object                 # mpi4py communicator of the members
-    rank: int                    # this rank's position in the set
-    size: int
-    ranks: Sequence[int]         # global ranks, sorted (position i holds global rank ranks[i])
-
-
-class Executor:
+class Executor(AllreducePaths):
     """Runs response lists on a background thread.
 
     Args:
@@ -339,145 +263,6 @@ class Executor:
         entry.handle.set_result(result if entry.returns is None else entry.returns, entry.part,
                                 None if device is None else device.completion())
 
-    # ------------------------------------------------------------- allreduce
-    def _allreduce(self, response: pb.Response, group: SetComm, device) -> None:
-        if response.compression:
-            self._allreduce_quantized(response, group, device)
-            return
-        dtype = SUPPORTED_DTYPES[response.dtype]
-        entries = [self._take(response, name, device) for name in response.names]
-        shapes = [tuple(shape.dims) for shape in response.shapes]
-        wire_dtype = reduction_dtype(dtype)
-        if wire_dtype == dtype:
-            # Big tensors are reduced where they lie: copying one into the fusion buffer and
-            # back costs more than a call of its own. Decided from the response alone, so
-            # every rank splits the same way.
-            alone = [len(shapes) == 1 or math.prod(shape) * dtype.itemsize >= UNFUSED_MIN_BYTES
-                     for shape in shapes]
-            for entry, shape, single in zip(entries, shapes, alone):
-                if single:
-                    self._allreduce_alone(entry, shape, dtype, response, group, device)
-            if all(alone):
-                return
-            entries = [entry for entry, single in zip(entries, alone) if not single]
-            shapes = [shape for shape, single in zip(shapes, alone) if not single]
-        sizes = [math.prod(shape) for shape in shapes]
-        everyone = all(entry is not None for entry in entries)
-        if everyone and wire_dtype == dtype and all(entry.output is None for entry in entries):
-            # All out of place: reduce in a result buffer and hand out views of it. It is reused
-            # only once no view of it is left (result_memory.py), so results alias nothing; and
-            # there is nothing to copy out.
-            result = device.new_result((sum(sizes),), dtype)
-            torch.cat([entry.tensor.reshape(-1) for entry in entries], out=result)
-            self._reduce_in_place(result, response, group, device)
-            for entry, part, shape in zip(entries, result.split(sizes), shapes):
-                self._complete(entry, part.view(shape), device)
-            return
-        buffer = self._fusion_buffer(wire_dtype, sum(sizes), device)
-        with timeline.span(response.names, "MEMCPY_IN_FUSION_BUFFER"):
-            if everyone:
-                torch.cat([entry.tensor.reshape(-1) for entry in entries], out=buffer)  # one op, not one per tensor
-            else:
-                for entry, part in zip(entries, buffer.split(sizes)):
-                    if entry is None:  # this rank joined: contribute the reduction's identity
-                        part.fill_(_identity(response.reduce_op, wire_dtype))
-                    else:
-                        part.copy_(entry.tensor.reshape(-1))
-        self._reduce_in_place(buffer, response, group, device)
-        with timeline.span(response.names, "MEMCPY_OUT_FUSION_BUFFER"):
-            done = _copy_out(entries, buffer, sizes, shapes, dtype)
-        # Complete only after every copy: a woken caller would otherwise fight this thread for the GIL.
-        for entry, result in done:
-            self._complete(entry, result, device)
-
-    def _allreduce_quantized(self, response: pb.Response, group: SetComm, device) -> None:
-        """Allreduce in float32 while every ring step moves 8-bit codes (``response.compression``)."""
-        dtype = SUPPORTED_DTYPES[response.dtype]
-        entries = [self._take(response, name, device) for name in response.names]
-        shapes = [tuple(shape.dims) for shape in response.shapes]
-        sizes = [math.prod(shape) for shape in shapes]
-        buffer = self._fusion_buffer(torch.float32, sum(sizes), device)
-        for entry, part in zip(entries, buffer.split(sizes)):
-            if entry is None:  # this rank joined: it adds zeros
-                part.zero_()
-            else:
-                part.copy_(entry.tensor.reshape(-1))
-        if response.prescale_factor != 1.0:
-            buffer.mul_(response.prescale_factor)
-        scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
-            else response.postscale_factor
-        with timeline.span(response.names, f"QUANTIZED_RING_ALLREDUCE_{response.compression.upper()}"):
-            device.transport(group).quantized_allreduce(device.array(buffer), _ring_codec(response.compression),
-                                                        scale=scale)
-        for entry, result in _copy_out(entries, buffer, sizes, shapes, dtype):
-            self._complete(entry, result, device)
-
-    def _allreduce_alone(self, entry: Optional[Entry], shape, dtype: torch.dtype, response: pb.Response,
-                         group: SetComm, device) -> None:
-        """Allreduce one tensor in its own buffer: in place, or from its input into a new one."""
-        source = None
-        if entry is None:  # this rank joined: contribute the reduction's identity
-            output = device.empty(shape, dtype).fill_(_identity(response.reduce_op, dtype))
-        elif entry.output is not None:
-            output = entry.output
-        else:  # out of place: the result is a new tensor
-            output = device.new_result(tuple(entry.tensor.shape), dtype)
-            if response.prescale_factor == 1.0 and device.kind == "cpu":
-                source = entry.tensor.reshape(-1)  # the host ring reduces straight from the input: no copy
-            else:
-                output.copy_(entry.tensor)
-        self._reduce_in_place(output.reshape(-1), response, group, device, source)
-        if entry is not None:
-            self._complete(entry, output, device)
-
-    def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response, group: SetComm, device,
-                         source: Optional[torch.Tensor] = None) -> None:
-        """Allreduce into the 1-D contiguous ``flat`` (from ``source`` if given), with Horovod's scaling."""
-        _scale_(flat, response.prescale_factor)
-        array, reduction = device.array(flat), OPS_REDUCTION[response.reduce_op]
-        transport = device.transport(group)
-        algorithm = self._algorithm_for(array, group.size, reduction)
-        scale = None
-        if flat.dtype.is_floating_point:  # scaled inside the allreduce, chunk by chunk while in cache
-            scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
-                else response.postscale_factor
-        label = transport.span_label(algorithm if algorithm != "auto" else ops.choose_algorithm(
-            array.nbytes, group.size, array.dtype, reduction)) if timeline.active() is not None else ""
-        with timeline.span(response.names, label):
-            if source is None:
-                transport.allreduce(array, reduction, scale=scale, algorithm=algorithm)
-            else:
-                transport.allreduce(array, reduction, scale=scale, algorithm=algorithm, source=device.array(source))
-        if scale is None:
-            self._postscale(flat, response, group.size)
-
-    def _algorithm_for(self, array, size: int, reduction: str) -> str:
-        """The configured algorithm, or with the autotuner's crossover the one "auto" picks under it."""
-        tuner = self.autotune
-        if self.algorithm != "auto" or tuner is None or tuner.ring_scale == 1.0:
-            return self.algorithm
-        return ops.choose_algorithm(array.nbytes, size, array.dtype, reduction, tuner.ring_scale)
-
-    @staticmethod
-    def _postscale(flat: torch.Tensor, response: pb.Response, size: int) -> None:
-        """Average divides by the number of ranks that reduced (the set's size); integers
-        truncate toward zero, as Horovod's integer Average does."""
-        if response.reduce_op == pb.AVERAGE:
-            if flat.dtype.is_floating_point or response.postscale_factor != 1.0:
-                _scale_(flat, response.postscale_factor / size)
-            else:
-                flat.div_(size, rounding_mode="trunc")  # exact, also for int64 beyond 2**53
-        else:
-            _scale_(flat, response.postscale_factor)
-
-    def _fusion_buffer(self, dtype: torch.dtype, count: int, device) -> torch.Tensor:
-        key = (dtype, device.kind)
-        buffer = self._fusion.get(key)
-        if buffer is None or buffer.numel() < count:
-            buffer = device.empty(max(count, 1024), dtype)
-            self._fusion[key] = buffer
-        return buffer[:count]
-
     # --------------------------------------------------------- data movement
     def _allgather(self, response: pb.Response, group: SetComm, device) -> None:
         name = response.names[0]
@@ -586,37 +371,10 @@ class Executor:
             self._complete(entry, True)
 
 
-def _scale_(flat: torch.Tensor, factor: float) -> None:
-    """Multiply ``flat`` by ``factor`` in place; integers are scaled in float64 and cast back,
-    truncating toward zero (Horovod's rule for prescale/postscale factors on integer tensors)."""
-    if factor == 1.0:
-        return
-    if flat.dtype.is_floating_point:
-        flat.mul_(factor)
-    else:
-        flat.copy_(flat.to(torch.float64).mul_(factor))
 
 
-def _copy_out(entries, buffer: torch.Tensor, sizes, shapes, dtype: torch.dtype) -> list:
-    """(entry, result) for each entry: its part of the fused ``buffer``, in its output or a new tensor."""
-    done = []
-    for entry, part, shape in zip(entries, buffer.split(sizes), shapes):
-        if entry is None:  # this rank joined
-            continue
-        if entry.output is None:
-            done.append((entry, part.to(dtype, copy=True).view(shape)))
-        else:
-            entry.output.reshape(-1).copy_(part)
-            done.append((entry, entry.output))
-    return done
 
 
-@functools.lru_cache(maxsize=None)
-def _ring_codec(compression: str):
-    """The codec of an 8-bit wire format ("int8": Dettmers' dynamic tree; "linear8")."""
-    from ringmaster.worker.compression.quantization import RingCodec
-
-    return RingCodec({"int8": "dynamic tree", "linear8": "linear8"}[compression])
 
 
 def _in_set(response: pb.Response) -> str:
@@ -644,15 +402,3 @@ def reducescatter_rows(first_dim: int, size: int) -> List[int]:
     base, extra = divmod(first_dim, size)
     return [base + (1 if r < extra else 0) for r in range(size)]
 
-
-def _identity(reduce_op: int, dtype: torch.dtype):
-    """The value a joined rank contributes so that it changes no result."""
-    if reduce_op == pb.PRODUCT:
-        return 1
-    if reduce_op in (pb.MIN, pb.MAX):
-        info = torch.finfo(dtype) if dtype.is_floating_point else (
-            torch.iinfo(dtype) if dtype != torch.bool else None)
-        if info is None:
-            return reduce_op == pb.MIN
-        return info.max if reduce_op == pb.MIN else info.min
-    return 0
