@@ -126,7 +126,7 @@ def main():
         dense_time, dense_bytes = results.get("dense", (None, None))
         print(f"{parameters / 1e6:.1f} M parameters, {rm.size()} ranks, batch {args.batch_size} per rank, "
               f"ratio {args.ratio} for rgc/topk; medians of {args.rounds * args.steps} steps")
-        print(f"| mode | step ms | vs dense | MB sent per step (rank 0) | fewer bytes than dense |")
+        print("| mode | step ms | vs dense | MB sent per step (rank 0) | fewer bytes than dense |")
         print("|---|---|---|---|---|")
         for mode, (seconds, nbytes) in results.items():
             speed = f"{seconds / dense_time:.2f} ×" if dense_time else "-"

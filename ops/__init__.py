@@ -22,6 +22,8 @@ from .quantized_ring import quantized_ring_allreduce
 from .ring import DEFAULT_SEGMENT_BYTES, NETWORK_SEGMENT_BYTES, ring_allreduce
 
 __all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "NETWORK_SEGMENT_BYTES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_OPS",
     "allgatherv",

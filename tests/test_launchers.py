@@ -119,7 +119,7 @@ def test_two_tasks_that_mpi_did_not_connect_both_stop_with_the_message():
     for procid, (task, (stdout, stderr)) in enumerate(zip(tasks, outputs)):
         assert task.returncode != 0, stdout + stderr
         assert "rank 0 of 1" not in stdout  # it did not go on to train alone
-        assert f"srun started 2 tasks of this step with --mpi=none" in stderr, stderr
+        assert "srun started 2 tasks of this step with --mpi=none" in stderr, stderr
         assert f"SLURM_PROCID={procid}" in stderr and "srun --mpi=pmix" in stderr, stderr
         assert "RingmasterError" in stderr
 

@@ -100,7 +100,6 @@ def main():
     stream = cupy.cuda.Stream(non_blocking=True)
     where = placement.describe(comm, device_id)
     shared = bool(where.shared_gpus())
-    rows = []
 
     limits = device_limits(args.reps) if rank == 0 else None
     limits = comm.bcast(limits)

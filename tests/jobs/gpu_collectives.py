@@ -6,7 +6,6 @@ seeds; the expected result is computed on the CPU with plain torch. Results must
 on the input's device. Prints ``FAIL`` lines and ``DONE``; exits 1 on any failure.
 """
 
-import os
 import sys
 
 import torch

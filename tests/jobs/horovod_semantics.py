@@ -309,7 +309,7 @@ def grouped_reducescatter_case(set_name, ps, members, dtype, op_name, pre, post)
 def chain_case(set_name, ps, members, dtype):
     """Two collectives in one graph: allgather(allreduce(x, Average) * a) ; backward runs both."""
     case = f"chain allgather(allreduce) {dtype} set={set_name}"
-    n, me = len(members), members.index(RANK)
+    n = len(members)
     xs = {r: normal((2, 3), dtype, case, "x", r) for r in members}
     scales = {r: normal((2, 3), dtype, case, "a", r) for r in members}
     x = leaf(xs[RANK])
@@ -483,7 +483,6 @@ def gradients():
 # ==================================================================== graph
 def graph():
     """grad_fn: on the differentiable calls' results when the input requires grad, nowhere else."""
-    members = list(range(SIZE))
     n = SIZE
 
     def x(shape=(2 * n, 3)):

@@ -36,7 +36,7 @@ import torch
 
 from ringmaster.worker.compression.compressors import Compression
 from ringmaster.worker.frontend import collectives as c
-from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set
+from ringmaster.worker.runtime.process_sets import global_process_set
 
 
 def _tracks_grad(tensors: Sequence) -> bool:
