@@ -91,12 +91,15 @@ def main():
     for (model, plan), entry in results.items():
         for side in ("off", "on"):
             runs = entry[side]
-            print(f"{model} plan {plan} autotune {side:<3}: " + "; ".join(f"{a:.1f} / {b:.2f} / {c:.1f}" for a, b, c in runs)
+            print(f"{model} plan {plan} autotune {side:<3}: "
+                  + "; ".join(f"{a:.1f} / {b:.2f} / {c:.1f}" for a, b, c in runs)
                   + f"  -> medians {statistics.median(r[0] for r in runs):.1f} ms / "
                     f"{statistics.median(r[1] for r in runs):.2f} / {statistics.median(r[2] for r in runs):.1f} ms")
         off, on = entry["off"], entry["on"]
-        print(f"{model} plan {plan}: autotune / defaults, median step ms {statistics.median(r[0] for r in on) / statistics.median(r[0] for r in off):.3f}, "
-              f"median vs-no-comm ratio {statistics.median(r[1] for r in on) / statistics.median(r[1] for r in off):.3f}")
+        print(f"{model} plan {plan}: autotune / defaults, median step ms "
+              f"{statistics.median(r[0] for r in on) / statistics.median(r[0] for r in off):.3f}, "
+              f"median vs-no-comm ratio "
+              f"{statistics.median(r[1] for r in on) / statistics.median(r[1] for r in off):.3f}")
         for choice in entry["chosen"]:
             print(f"    chose: {choice}")
 

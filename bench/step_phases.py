@@ -94,7 +94,8 @@ def report(records_of_ranks, one_host):
         slowest = [max(records[mode][turn][0][-1] for records in records_of_ranks) -
                    max(records["sync-only"][turn][0][-1] for records in records_of_ranks)
                    for turn in range(len(records_of_ranks[0][mode]))]
-        lines.append(f"{mode:<11} {'slowest':>7} " + " " * (12 * (len(PHASES) - 1)) + signed_ms(statistics.median(slowest)))
+        lines.append(f"{mode:<11} {'slowest':>7} " + " " * (12 * (len(PHASES) - 1))
+                     + signed_ms(statistics.median(slowest)))
 
     if one_host and len(records_of_ranks) > 1:
         apart = []

@@ -206,7 +206,8 @@ def _scale_problem(request: pb.TensorRequest) -> Optional[Problem]:
 def _tensor_problem(request: pb.TensorRequest) -> Optional[Problem]:
     op, dtype = request.op_type, request.dtype
     if dtype not in WIRE_ITEMSIZE:
-        return Problem("dtype", f"'{shown(dtype, 40)}'", f"not a dtype ringmaster moves; one of {', '.join(WIRE_ITEMSIZE)}")
+        return Problem("dtype", f"'{shown(dtype, 40)}'",
+                       f"not a dtype ringmaster moves; one of {', '.join(WIRE_ITEMSIZE)}")
     shape = request.shape
     if len(shape) > MAX_DIMS:
         return Problem("shape", f"{len(shape)} dimensions", f"at most {MAX_DIMS}")

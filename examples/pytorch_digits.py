@@ -88,7 +88,8 @@ def load_checkpoint(path, model, optimizer) -> int:
 
 
 def train_epoch(model, optimizer, loader, description):
-    """One pass over this rank's shard: (loss averaged over all ranks, total samples/s, bytes this rank sent per step)."""
+    """One pass over this rank's shard: (loss averaged over all ranks, total samples/s, bytes this rank sent
+    per step)."""
     model.train()
     started = time.perf_counter()
     loss_sum, samples, steps = 0.0, 0, 0

@@ -1,4 +1,5 @@
-"""README's quick start: the five lines a single-process script adds (run: ringrun -np 2 python examples/quickstart.py)."""
+"""README's quick start: the five lines a single-process script adds
+(run: ringrun -np 2 python examples/quickstart.py)."""
 import torch
 import ringmaster as rm
 

@@ -132,7 +132,8 @@ def test_rank0_samples_scores_sends_and_logs(tmp_path):
     assert float(rows[2][8]) == pytest.approx(16000.0)
     assert [int(r[0]) for r in rows[2:-1]] == list(range(1, len(rows) - 2))
     assert rows[-1][1] == "final" and rows[-1][0] == ""
-    assert setting_of(sent[-1].tuning) == {"fusion_threshold_bytes": int(rows[-1][2]), "cycle_time_ms": float(rows[-1][3]),
+    assert setting_of(sent[-1].tuning) == {"fusion_threshold_bytes": int(rows[-1][2]),
+                                           "cycle_time_ms": float(rows[-1][3]),
                                            "ring_min_bytes": int(rows[-1][4]), "cache_enabled": rows[-1][5] == "1"}
     steps(5, 1.0)  # after the final choice nothing is measured or sent
     assert sent[-1].tuning.final and len(rows) == len(list(csv.reader(log_path.open())))

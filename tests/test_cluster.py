@@ -94,7 +94,8 @@ def test_cluster_under_a_world_writable_sticky_directory_lets_root_in_everywhere
     except ncl.ClusterUnavailable as error:
         pytest.skip(str(error))
     with cluster:
-        assert Path(cluster.workdir).parent == parent and Path(cluster.key).parent == parent / Path(cluster.workdir).name
+        assert (Path(cluster.workdir).parent == parent
+                and Path(cluster.key).parent == parent / Path(cluster.workdir).name)
         for source in [None, *cluster.hosts]:
             for target in cluster.hosts:
                 result = cluster.ssh(target, ["hostname"], from_host=source)

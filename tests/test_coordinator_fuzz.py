@@ -176,7 +176,8 @@ def test_streams_the_job_does_not_need_are_refused_and_never_reach_the_job(daemo
         with pytest.raises(queue.Empty):  # nothing for the job's ranks but their own responses
             stream.next(timeout=0.2)
     assert daemon.alive() and daemon.rss_mb() - before < 50
-    refusals = [line for line in daemon.log().splitlines() if "refused a stream" in line or "broke the protocol" in line]
+    refusals = [line for line in daemon.log().splitlines()
+                if "refused a stream" in line or "broke the protocol" in line]
     assert 1 <= len(refusals) <= 10, refusals  # 200 refusals, at most 10 lines a minute
 
 

@@ -112,10 +112,14 @@ def test_ready_allreduces_of_one_kind_are_fused_up_to_the_threshold():
 
 def test_fusion_never_mixes_dtypes_or_ops():
     responses = [
-        pb.Response(op_type=pb.ALLREDUCE, names=["f32"], dtype="float32", reduce_op=pb.SUM, shapes=[pb.TensorShape(dims=[2])]),
-        pb.Response(op_type=pb.ALLREDUCE, names=["f64"], dtype="float64", reduce_op=pb.SUM, shapes=[pb.TensorShape(dims=[2])]),
-        pb.Response(op_type=pb.ALLREDUCE, names=["max"], dtype="float32", reduce_op=pb.MAX, shapes=[pb.TensorShape(dims=[2])]),
-        pb.Response(op_type=pb.ALLREDUCE, names=["f32b"], dtype="float32", reduce_op=pb.SUM, shapes=[pb.TensorShape(dims=[2])]),
+        pb.Response(op_type=pb.ALLREDUCE, names=["f32"], dtype="float32", reduce_op=pb.SUM,
+                    shapes=[pb.TensorShape(dims=[2])]),
+        pb.Response(op_type=pb.ALLREDUCE, names=["f64"], dtype="float64", reduce_op=pb.SUM,
+                    shapes=[pb.TensorShape(dims=[2])]),
+        pb.Response(op_type=pb.ALLREDUCE, names=["max"], dtype="float32", reduce_op=pb.MAX,
+                    shapes=[pb.TensorShape(dims=[2])]),
+        pb.Response(op_type=pb.ALLREDUCE, names=["f32b"], dtype="float32", reduce_op=pb.SUM,
+                    shapes=[pb.TensorShape(dims=[2])]),
     ]
     fused = fuse_responses(responses, 1 << 20)
     assert [list(r.names) for r in fused] == [["f32", "f32b"], ["f64"], ["max"]]

@@ -113,7 +113,8 @@ def test_generated_stubs_are_up_to_date():
 
 
 def test_a_message_grpc_refuses_is_reported_on_the_rank_with_the_knob():
-    """A single request too big to cut (over twice the limit) fails the rank with the limit's name, not 'the coordinator died'."""
+    """A single request too big to cut (over twice the limit) fails the rank with the limit's name, not 'the
+    coordinator died'."""
     try:  # the worker's runtime room (worker/runtime/), or the flat worker/ before it
         from ringmaster.worker.runtime.client import CoordinatorClient
         from ringmaster.worker.runtime.outbox import Outbox

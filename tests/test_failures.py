@@ -78,7 +78,8 @@ def test_a_stall_longer_than_the_shutdown_limit_aborts_the_job():
 
 @pytest.mark.timeout(90)
 def test_a_rank_stalling_before_a_gradient_plan_step_is_named_and_the_job_aborts():
-    """The plan's steps are not negotiated; the waiting rank's heartbeats name the late rank, which prints its stacks."""
+    """The plan's steps are not negotiated; the waiting rank's heartbeats name the late rank, which prints its
+    stacks."""
     result, seconds = run_timed(2, """
         import time, torch, torch.nn as nn, ringmaster as rm
         rm.init()
@@ -106,7 +107,8 @@ def test_a_rank_stalling_before_a_gradient_plan_step_is_named_and_the_job_aborts
     assert "rank 1 is one the others waited for" in result.output, result.output[-3000:]
     assert "ringmaster: rank 0 is one" not in result.output
     stacks = result.output[result.output.index("rank 1 is one the others waited for"):]
-    assert "most recent call first" in stacks and 'File "<string>", line' in stacks and "in <module>" in stacks, stacks[:3000]
+    assert ("most recent call first" in stacks and 'File "<string>", line' in stacks
+            and "in <module>" in stacks), stacks[:3000]
 
 
 @pytest.mark.timeout(90)

@@ -202,7 +202,8 @@ def test_int8_and_linear8_compressors_are_real_8_bit_codecs():
     x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(2))  # 15000 elements: 4 blocks
     x[0, 0] = 40.0  # an outlier flattens only its own block
     errors = {}
-    for compressor, name, kind in [(Compression.int8, "int8", "dynamic tree"), (Compression.linear8, "linear8", "linear8")]:
+    for compressor, name, kind in [(Compression.int8, "int8", "dynamic tree"),
+                                   (Compression.linear8, "linear8", "linear8")]:
         assert issubclass(compressor, Compressor)
         codes, ctx = compressor.compress(x)
         assert codes.dtype == torch.uint8 and codes.shape == x.shape

@@ -67,7 +67,8 @@ for step in range(40):
     mine = torch.full((n,), value * (rank + 1))
     want = value * size * (size + 1) / 2
     result = rm.allreduce(mine, op=rm.Sum, name="out")               # alone, out of place
-    fused = rm.grouped_allreduce([mine[:1000], mine[:200_000]], op=rm.Sum)  # fused out of place: views of one pooled buffer
+    # fused out of place: views of one pooled buffer
+    fused = rm.grouped_allreduce([mine[:1000], mine[:200_000]], op=rm.Sum)
     if step % 3 == 0:
         kept.append((want, result, fused[0]))                        # held: must never change
     for got, expected in [(result, want), (fused[0], want), (fused[1], want)]:

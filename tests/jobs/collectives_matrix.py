@@ -63,7 +63,8 @@ for dtype in DTYPES:
             inplace = inputs[RANK].clone()
             returned = rm.allreduce_(inplace, op=op)
             check(f"allreduce_ {dtype} {op_name} {shape}", inplace, expected, dtype)
-            check(f"allreduce_ returns its tensor {dtype}", torch.tensor(returned is inplace), torch.tensor(True), torch.bool)
+            check(f"allreduce_ returns its tensor {dtype}", torch.tensor(returned is inplace), torch.tensor(True),
+                  torch.bool)
 
 # odd and large lengths, fp32/int64, including lengths below the number of ranks
 for length in [1, 2, 3, 7, 1023, 1_000_003]:
@@ -186,14 +187,17 @@ for rows in (SIZE * 2, SIZE + 1, 1):
 # ------------------------- parameters that require grad (collectives bypass autograd)
 params = [torch.nn.Parameter(torch.ones(3) * (RANK + 1)), torch.nn.Parameter(torch.ones(2, 3).t() * (RANK + 1))]
 for p in params:
-    check("broadcast_ parameter returns it", torch.tensor(rm.broadcast_(p, root_rank=0) is p), torch.tensor(True), torch.bool)
+    check("broadcast_ parameter returns it", torch.tensor(rm.broadcast_(p, root_rank=0) is p), torch.tensor(True),
+          torch.bool)
 check("broadcast_ parameter", params[1].detach(), torch.ones(3, 2), torch.float32)
 returned = rm.grouped_allreduce_(params, op=rm.Sum)
 check("grouped_allreduce_ parameters", params[1].detach(), torch.full((3, 2), float(SIZE)), torch.float32)
 check("grouped_allreduce_ returns them", torch.tensor(returned[0] is params[0] and returned[1] is params[1]),
       torch.tensor(True), torch.bool)
-check("parameters still require grad", torch.tensor(all(p.requires_grad for p in params)), torch.tensor(True), torch.bool)
-check("allreduce_ parameter", rm.allreduce_(params[0], op=rm.Max).detach(), torch.full((3,), float(SIZE)), torch.float32)
+check("parameters still require grad", torch.tensor(all(p.requires_grad for p in params)), torch.tensor(True),
+      torch.bool)
+check("allreduce_ parameter", rm.allreduce_(params[0], op=rm.Max).detach(), torch.full((3,), float(SIZE)),
+      torch.float32)
 
 # ----------------------------------------------------------------- edge cases
 check("allreduce of an empty tensor", rm.allreduce(torch.empty(0), op=rm.Sum), torch.empty(0), torch.float32)
@@ -205,7 +209,8 @@ for label, call in [("allreduce_", rm.allreduce_), ("broadcast_", lambda t: rm.b
         call(torch.ones(1).expand(4))
         check(f"{label} of an expanded view raises", torch.tensor(False), torch.tensor(True), torch.bool)
     except ValueError as error:
-        check(f"{label} of an expanded view raises", torch.tensor("clone()" in str(error)), torch.tensor(True), torch.bool)
+        check(f"{label} of an expanded view raises", torch.tensor("clone()" in str(error)), torch.tensor(True),
+              torch.bool)
 pending = rm.allreduce_async(torch.ones(2), name="in.flight", op=rm.Sum)
 try:
     rm.allreduce_async(torch.ones(2), name="in.flight")

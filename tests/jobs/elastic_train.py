@@ -1,7 +1,8 @@
 """An elastic training job whose every committed step can be replayed in one process.
 
 ``python elastic_train.py OUT [--epochs E] [--examples N] [--batch B] [--commit-every C]
-[--step-sleep S] [--die-at-step K --die-rank R --die-how exit|kill|raise] [--fail-at-end R]``: a tiny MLP trained with momentum SGD under ``@rm.elastic.run`` on an
+[--step-sleep S] [--die-at-step K --die-rank R --die-how exit|kill|raise] [--fail-at-end R]``: a tiny MLP
+trained with momentum SGD under ``@rm.elastic.run`` on an
 ``ElasticSampler``; the state carries ``history``, one entry per optimizer step
 ``(world size, [each rank's dataset indices])``, so that it holds exactly the steps the
 final parameters went through (steps after the last commit before a failure are rolled

@@ -360,7 +360,8 @@ report("rgc mode=auto calibrated its cost model", auto.cost_model is not None an
 names = {name: p.numel() for group in trained.param_groups for p in group["params"] if p.requires_grad
          for name in [trained._parameter_names[p]]}
 report("rgc mode=auto decides as the model predicts",
-       all((name in auto._dense_by_model) == (not auto.cost_model.prefers_sparse(n, 0.01)) for name, n in names.items()))
+       all((name in auto._dense_by_model) == (not auto.cost_model.prefers_sparse(n, 0.01))
+           for name, n in names.items()))
 fields = torch.tensor([float(v) for v in auto.cost_model.as_dict().values()], dtype=torch.float64)
 gathered = rm.allgather(fields.unsqueeze(0), name="cost model fields")
 report("rgc mode=auto: the same model on every rank", all(torch.equal(gathered[0], row) for row in gathered))

@@ -47,7 +47,8 @@ for dtype in (torch.float32, torch.float16, torch.float64):
         for r in range(SIZE):
             expected.index_add_(0, chosen(r), values_of(r, chosen(r), dtype).double())
         expected /= SIZE
-        report(case, result.dtype == dtype and torch.allclose(result.double(), expected, atol=1e-3 if dtype == torch.float16 else 1e-12),
+        report(case, result.dtype == dtype and torch.allclose(result.double(), expected,
+                                                              atol=1e-3 if dtype == torch.float16 else 1e-12),
                f"max difference {(result.double() - expected).abs().max():.3g}")
 
 # The compressor's own path: every rank's residual selection, allgathered, equals the

@@ -35,7 +35,8 @@ for count in (0, 1, 5, 300_000, 3_000_001):
             expected = expected * 0.5
         tolerance = 1e-2 if dtype == np.float16 else 1e-6
         TALLY.report(f"staged allreduce {count} {np.dtype(dtype)}",
-                     np.allclose(device.astype(np.float64), expected, rtol=tolerance), f"{device[:4]} vs {expected[:4]}")
+                     np.allclose(device.astype(np.float64), expected, rtol=tolerance),
+                     f"{device[:4]} vs {expected[:4]}")
         if count == 0:
             continue
         chunks = len(staged_chunks(count, np.dtype(dtype).itemsize)) - 1

@@ -55,7 +55,8 @@ for label, (compressor, _) in FORMATS.items():
                                    op=rm.Sum)
     for n, t, result in zip((5, 100, 2000, 7), tensors, results):
         error = relative_error(result, torch.stack(t).double().sum(0))
-        report(f"{label} grouped Sum of {n}: close to the exact sum", error < 0.03 * SIZE, f"relative error {error:.4f}")
+        report(f"{label} grouped Sum of {n}: close to the exact sum", error < 0.03 * SIZE,
+               f"relative error {error:.4f}")
 
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
         data = inputs((500,), seed=3, dtype=dtype)

@@ -80,7 +80,8 @@ CSV_COLUMNS = ("trial", "phase", "fusion_threshold_bytes", "cycle_time_ms", "rin
 
 
 def search_space(config: Config, size: int, cache_toggle: bool) -> List[Dimension]:
-    """The knobs to tune for this job: fusion, cycle time, crossover (only with ``auto``), cache (if it can be toggled)."""
+    """The knobs to tune for this job: fusion, cycle time, crossover (only with ``auto``), cache (if it can be
+    toggled)."""
     def with_default(values, default):
         return tuple(sorted(set(values) | {default}))
 
@@ -259,7 +260,8 @@ class Autotuner:
         self._log_rows += 1
 
 
-__all__ = ["attach", "Autotuner", "Applied", "search_space", "reduced_bytes", "tuning_message", "setting_of", "CSV_COLUMNS"]
+__all__ = ["attach", "Autotuner", "Applied", "search_space", "reduced_bytes", "tuning_message", "setting_of",
+           "CSV_COLUMNS"]
 
 
 def attach(runtime) -> None:

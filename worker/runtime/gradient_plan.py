@@ -336,7 +336,8 @@ class GradientPlan:
         return not self._thread.is_alive()
 
     def _run_ready_buckets(self) -> None:
-        """The plan's thread (with ``overlap_all``): reduce buckets in order as they become ready, until the caller takes over."""
+        """The plan's thread (with ``overlap_all``): reduce buckets in order as they become ready, until the caller
+        takes over."""
         algorithm, segment_bytes, stopping = self._run_settings
         while True:
             with self._condition:

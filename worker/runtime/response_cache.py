@@ -4,7 +4,8 @@ A collective the coordinator has answered once (an allreduce or broadcast of the
 set, under a name given by the caller) gets a *slot*. When a rank submits a collective
 whose signature equals one it submitted before (name, op, dtype, shape, reduction,
 scaling, compression, root), that is a *hit*: instead of a gRPC round trip, the rank sets
-the slot's bit; the frontend does not even build the request message. A thread of its own in every rank, on a communicator of its own, runs
+the slot's bit; the frontend does not even build the request message. A thread of its own in every rank, on a
+communicator of its own, runs
 *cycles*: each cycle is one small MPI allreduce (``MIN``) of a vector of integers
 
     [candidates queued, idle, events seen, -events seen, closing, join round, bit per slot]
@@ -117,7 +118,8 @@ class _Batch:
 
     def __init__(self, slots: List[_Slot]):
         first = slots[0].template
-        self.op_type, self.reduce_op, self.dtype, self.device = first.op_type, first.reduce_op, first.dtype, first.device
+        self.op_type, self.reduce_op, self.dtype, self.device = (first.op_type, first.reduce_op, first.dtype,
+                                                                 first.device)
         self.root_rank, self.compression = first.root_rank, first.compression
         self.prescale_factor, self.postscale_factor = first.prescale_factor, first.postscale_factor
         self.names = [slot.template.names[0] for slot in slots]
