@@ -9,7 +9,8 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci_commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                    if line and not line.startswith(("#", "set ", "cd ", "export "))]
-    assert ci_commands == ['pip install torch==2.13.0 -e ".[test]" && bash tests/cluster/setup.sh && python -m pytest']
+    assert ci_commands == ['pip install torch==2.13.0 -e ".[test]" && bash tests/cluster/setup.sh && ruff check . '
+                           '&& python -m pytest']
     assert ci_commands[0] in readme
 
 
