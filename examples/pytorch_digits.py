@@ -16,6 +16,9 @@ the checkpoints; with --resume, training continues after the checkpoint's epoch.
 linear8), or only the largest --ratio of each gradient's entries (rgc: RedSync's residual
 gradient compression, which keeps what it did not send for later steps and applies the
 momentum itself, with momentum correction; topk: the same without residuals).
+
+On a machine with GPUs each rank trains on GPU ``local_rank()`` (ranks beyond the number of
+GPUs share them), as Horovod scripts pin theirs; without GPUs, on the CPU.
 """
 
 import argparse
@@ -81,13 +84,13 @@ def load_checkpoint(path, model, optimizer) -> int:
     if not os.path.exists(path):
         print(f"no checkpoint at {path}: starting from scratch", flush=True)
         return 0
-    checkpoint = torch.load(path)
+    checkpoint = torch.load(path, map_location="cpu")  # load_state_dict moves it to the model's device
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     return checkpoint["epoch"]
 
 
-def train_epoch(model, optimizer, loader, description):
+def train_epoch(model, optimizer, loader, description, device):
     """One pass over this rank's shard: (loss averaged over all ranks, total samples/s, bytes this rank sent
     per step)."""
     model.train()
@@ -95,6 +98,7 @@ def train_epoch(model, optimizer, loader, description):
     loss_sum, samples, steps = 0.0, 0, 0
     rm.bytes_sent(reset=True)
     for images, labels in progress_bar(loader, description):
+        images, labels = images.to(device), labels.to(device)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(images), labels)
         loss.backward()  # starts averaging each gradient as soon as it is computed
@@ -110,10 +114,10 @@ def train_epoch(model, optimizer, loader, description):
 
 
 @torch.no_grad()
-def evaluate(model, dataset) -> float:
+def evaluate(model, dataset, device) -> float:
     """Accuracy on the whole of ``dataset`` (every rank evaluates the same, small test set)."""
     model.eval()
-    images, labels = dataset.tensors
+    images, labels = (tensor.to(device) for tensor in dataset.tensors)
     return (model(images).argmax(dim=1) == labels).float().mean().item()
 
 
@@ -142,13 +146,17 @@ def main():
     rm.init()
     torch.set_num_threads(1)  # the ranks share the machine's cores
     torch.manual_seed(args.seed + rm.rank())  # different weights on purpose: broadcast_parameters aligns them
+    device = torch.device("cpu")
+    if torch.cuda.is_available():  # one GPU per rank
+        device = torch.device("cuda", rm.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
 
     train_set, test_set = load_data()
     # Each rank a disjoint shard of the training set, reshuffled by set_epoch() with the same seed on all ranks.
     sampler = DistributedSampler(train_set, num_replicas=rm.size(), rank=rm.rank(), shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
-    model = create_model()
+    model = create_model().to(device)
     compression, optimizer_momentum = make_compression(args.compression, args.ratio, MOMENTUM)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * rm.size(), momentum=optimizer_momentum)
     optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
@@ -167,8 +175,9 @@ def main():
 
     for epoch in range(finished_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)
-        loss, samples_per_second, bytes_per_step = train_epoch(model, optimizer, loader, f"epoch {epoch}/{args.epochs}")
-        accuracy = evaluate(model, test_set)
+        loss, samples_per_second, bytes_per_step = train_epoch(model, optimizer, loader, f"epoch {epoch}/{args.epochs}",
+                                                               device)
+        accuracy = evaluate(model, test_set, device)
         if rm.rank() == 0:
             print(f"epoch {epoch}: loss {loss:.4f}  test accuracy {accuracy:.3f}  "
                   f"{samples_per_second:,.0f} samples/s on {rm.size()} ranks  "
@@ -176,7 +185,7 @@ def main():
             if args.checkpoint:
                 save_checkpoint(args.checkpoint, model, optimizer, epoch)
 
-    accuracy = evaluate(model, test_set)
+    accuracy = evaluate(model, test_set, device)
     difference = largest_weight_difference(model)
     if rm.rank() == 0:
         print(f"final test accuracy {accuracy:.3f}; ranks agree on the weights (max difference {difference:.1e})")
