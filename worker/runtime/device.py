@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import numpy as np
 import torch
@@ -225,15 +225,17 @@ class Devices:
         self._gpu_transport = gpu_transport
         self._cuda: Optional[CudaDevice] = None
 
-    def for_response(self, device_name: str, index: Optional[int] = None) -> object:
+    def for_response(self, device_name: str, gpu_index: Callable[[], Optional[int]] = lambda: None) -> object:
         """The device a response with ``device_name`` ("cpu", "cuda") runs on.
 
-        ``index``: the GPU of the response's tensors on this rank, if it has any; the first
-        CUDA response fixes this rank's GPU (one GPU per rank, as with Horovod).
+        ``gpu_index``: finds the GPU of the response's tensors on this rank (None: it has none);
+        asked once, at the first CUDA response, which fixes this rank's GPU (one per rank, as
+        with Horovod).
         """
         if device_name != "cuda":
             return self.host
         if self._cuda is None:
+            index = gpu_index()
             self._cuda = CudaDevice(self._gpu_transport, torch.cuda.current_device() if index is None else index)
         return self._cuda
 

@@ -228,7 +228,7 @@ class Executor(AllreducePaths):
         if group is None:
             return  # a set this rank is not a member of
         device = self._devices.for_response(
-            response.device, self.table.device_index(response.process_set_id, response.names))
+            response.device, lambda: self.table.device_index(response.process_set_id, response.names))
         with device.scope():
             self._run_response[response.op_type](response, group, device)
 
