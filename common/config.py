@@ -63,6 +63,9 @@ class Config:
         autotune_warmup_samples: samples measured and discarded before the search (default 3).
         autotune_steps_per_sample: a sample ends when one tensor name has been reduced this
             many times in it (about that many training steps; default 10).
+        cache_stall_s: a response-cache cycle that some ranks have waited in this long while
+            others never entered it ends the job with an error naming those others (default 10 s;
+            0: never; see ``ringmaster.coordinator.cache_stalls``).
         gpu_transport: how collectives of CUDA tensors move data: ``"auto"`` (chosen from where
             the ranks and GPUs are, logged once), ``"nccl"``, ``"ipc"``, ``"mpi"`` (a CUDA-aware
             MPI) or ``"staged"`` (see ``ringmaster.ops.gpu``).
@@ -98,6 +101,7 @@ class Config:
     autotune_steps_per_sample: int = 10
     result_pool: bool = True
     gpu_transport: str = "auto"
+    cache_stall_s: float = 10.0
 
 
 # environment variable -> (Config field, parser)
@@ -246,6 +250,7 @@ ENVIRONMENT = {
     "RINGMASTER_AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", _positive_int),
     "RINGMASTER_RESULT_POOL": ("result_pool", _switch),
     "RINGMASTER_GPU_TRANSPORT": ("gpu_transport", _gpu_transport),
+    "RINGMASTER_CACHE_STALL_S": ("cache_stall_s", _nonnegative_float),
 }
 
 

@@ -36,6 +36,8 @@ from ringmaster.coordinator.plan_stalls import PlanStalls
 from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
 from ringmaster.coordinator.stall_report import in_set as _in_set
 from ringmaster.coordinator.stall_report import shutdown_reason, warning_lines
+from ringmaster.coordinator.cache_stalls import CacheStalls
+from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
 from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown, tuning_problem
 from ringmaster.proto import ringmaster_pb2 as pb
 
@@ -85,6 +87,7 @@ class Coordinator:
         self._refused_registrations: "collections.deque" = collections.deque(maxlen=REFUSALS_KEPT)
         self._negotiator = self._new_negotiator()
         self._plan_stalls = self._new_plan_stalls()
+        self._cache_stalls = CacheStalls(stale_after_s=3 * self.config.heartbeat_interval_s)
         self._sequence = 0
         self._cycle_time_ms = config.cycle_time_ms  # rank 0's autotuner may change it (_on_tuning)
         self._welcomed = False
@@ -224,11 +227,14 @@ class Coordinator:
                 self._breach(session, f"sent a heartbeat with {problem.describe()}")
                 return
             self._plan_stalls.report(session.rank, message.heartbeat.plans)
+            if message.heartbeat.HasField("cache"):
+                self._cache_stalls.report(session.rank, message.heartbeat.cache)
         elif which == "goodbye":
             session.said_goodbye = True
             session.close()
             self._negotiator.depart(session.rank, f"host {shown(session.hostname)}, pid {session.pid}")
             self._plan_stalls.forget(session.rank)
+            self._cache_stalls.forget(session.rank)
         elif which == "tuning":
             self._on_tuning(session, message.tuning)
 
@@ -350,6 +356,7 @@ class Coordinator:
             return
         self._negotiator = self._new_negotiator()
         self._plan_stalls = self._new_plan_stalls()
+        self._cache_stalls = CacheStalls(stale_after_s=3 * self.config.heartbeat_interval_s)
         self._sequence = 0
         self._cycle_time_ms = self.config.cycle_time_ms
         self._welcomed = False
@@ -413,6 +420,7 @@ class Coordinator:
             self._flush_scheduled = None
         self._negotiator = self._new_negotiator()
         self._plan_stalls = self._new_plan_stalls()
+        self._cache_stalls = CacheStalls(stale_after_s=3 * self.config.heartbeat_interval_s)
         self._sequence = 0
         self._welcomed = False
         self._generation_started = time.monotonic()
@@ -446,6 +454,13 @@ class Coordinator:
                                 f"{now - session.last_seen:.0f} s (RINGMASTER_HEARTBEAT_TIMEOUT_S="
                                 f"{self.config.heartbeat_timeout_s:g}): it hangs or its host is unreachable",
                                 session.rank, session.hostname)
+                return
+        if self.config.cache_stall_s > 0:
+            cache_stall = self._cache_stalls.stall(self.size, self.config.cache_stall_s)
+            if cache_stall is not None:
+                self._abort_job(pb.STALLED, f"{describe_cache_stall(cache_stall, self._host_of)} "
+                                f"(RINGMASTER_CACHE_STALL_S={self.config.cache_stall_s:g})", -1,
+                                stalled_ranks=cache_stall.missing_ranks)
                 return
         for line in warning_lines(self._stalls(self.config.stall_warning_s), self._host_of):
             log.warning("%s", line)

@@ -126,7 +126,16 @@ def heartbeat_problem(heartbeat: pb.Heartbeat) -> Optional[Problem]:
             return Problem("plans.process_set_id", str(plan.process_set_id), "set ids are >= 0")
         if not (math.isfinite(plan.waiting_s) and plan.waiting_s >= 0):
             return Problem("plans.waiting_s", str(plan.waiting_s), "a finite number of seconds >= 0")
+    cache = heartbeat.cache
+    if not (math.isfinite(cache.waiting_s) and cache.waiting_s >= 0):
+        return Problem("cache.waiting_s", str(cache.waiting_s), "a finite number of seconds >= 0")
+    if heartbeat.HasField("cache") and cache.phase not in CACHE_PHASES:
+        return Problem("cache.phase", shown(cache.phase), f"one of {', '.join(CACHE_PHASES)}")
     return None
+
+
+#: What a rank's heartbeat may say its response cache is doing (pb.CacheCycles.phase).
+CACHE_PHASES = ("awake", "dormant", "suspended", "finished")
 
 
 #: The largest fusion threshold an autotuner may ask for (the Tuning message of rank 0).

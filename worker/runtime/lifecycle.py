@@ -62,7 +62,7 @@ class Runtime:
                                  gpu_transport=config.gpu_transport)
         self.cache = self._start_cache(comm, config)
         self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s,
-                             heartbeat=lambda: pb.Heartbeat(plans=self.executor.plan_waits()),
+                             heartbeat=self._heartbeat,
                              max_message_bytes=config.max_message_bytes)
         self.client = CoordinatorClient(
             self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
@@ -83,6 +83,13 @@ class Runtime:
             self.executor.stop(1)
             self.endpoint.stop(timeout_s=0)  # a coordinator this rank started must not outlive the failure
             raise
+
+    def _heartbeat(self) -> pb.Heartbeat:
+        """What an idle stream sends: the gradient plans this rank waits in, its cache's cycles."""
+        heartbeat = pb.Heartbeat(plans=self.executor.plan_waits())
+        if self.cache is not None:
+            heartbeat.cache.CopyFrom(self.cache.cycles_report())
+        return heartbeat
 
     def _start_cache(self, comm, config: Config) -> Optional[ResponseCache]:
         """The response cache (None when RINGMASTER_CACHE_CAPACITY is 0), on a communicator of its own."""

@@ -183,6 +183,7 @@ class ResponseCache:
         self._driver = threading.Lock()        # held by whichever thread runs a cycle
         self._callers = 0                      # callers running cycles themselves (drive)
         self._last_cycle_at = 0.0
+        self._in_cycle_since: Optional[float] = None  # when this rank entered the cycle it waits in
         self._suspend_requested = False  # this rank joined
         self._suspended = False          # some rank joined: negotiate everything until the JOIN response
         self._joins_completed = 0        # JOIN responses seen: numbers the join rounds
@@ -282,6 +283,15 @@ class ResponseCache:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
+    def cycles_report(self) -> pb.CacheCycles:
+        """Where this rank is in the cycles, for its heartbeats (read without the lock: a
+        heartbeat must not wait for a thread that holds it)."""
+        since = self._in_cycle_since
+        phase = ("finished" if self._finished else "dormant" if self._dormant
+                 else "suspended" if self._suspended else "awake")
+        return pb.CacheCycles(cycles_done=self._cycle_number, in_cycle=since is not None,
+                              waiting_s=0.0 if since is None else max(0.0, time.monotonic() - since), phase=phase)
+
     # ------------------------------------------------------------------ thread
     def drive(self, done: Callable[[], bool]) -> None:
         """Run cycles on the calling thread until ``done()`` (a caller waiting on a hit).
@@ -352,7 +362,12 @@ class ResponseCache:
             self._withdraw_stale(time.monotonic())
             vector = self._vector()
         result = np.empty_like(vector)
-        if not self._wait(self.comm.Iallreduce(vector, result, op=MPI.MIN), urgent):
+        self._in_cycle_since = time.monotonic()
+        try:
+            completed = self._wait(self.comm.Iallreduce(vector, result, op=MPI.MIN), urgent)
+        finally:
+            self._in_cycle_since = None
+        if not completed:
             with self._lock:
                 self._give_up()
                 self._finished = True
