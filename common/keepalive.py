@@ -16,10 +16,11 @@ from typing import List, Tuple
 
 #: How often a rank pings its stream to the coordinator when nothing else moves on it.
 PING_INTERVAL_MS = 10_000
-#: How long a ping may go unanswered before the stream counts as lost. Generous: pings are
-#: answered by gRPC's core only when one of the coordinator's threads polls, which on an
-#: oversubscribed host can take seconds.
-PING_TIMEOUT_MS = 30_000
+#: How long a ping may go unanswered before the stream counts as lost. A coordinator that
+#: died on a live host resets its connections at once; only a host that vanished needs this
+#: timeout. It is long because a coordinator on an overloaded host was seen not to answer
+#: for 30-50 s (8 ranks on 2 busy cores), and ranks then reported it dead while it was alive.
+PING_TIMEOUT_MS = 120_000
 
 
 def client_options(interval_ms: int = PING_INTERVAL_MS, timeout_ms: int = PING_TIMEOUT_MS) -> List[Tuple[str, int]]:

@@ -428,10 +428,28 @@ class Coordinator:
     # -------------------------------------------------------------- health
     async def _housekeeping(self) -> None:
         tick = min(self.config.heartbeat_interval_s, 1.0, self.config.stall_warning_s / 4)
+        last = time.monotonic()
         while True:
             await asyncio.sleep(tick)
+            now = time.monotonic()
+            late, last = now - last - tick, now
+            if late > max(1.0, tick):
+                self._excuse_silence(late)
             if not self.finished.is_set():
                 self._check_health()
+
+    def _excuse_silence(self, late_s: float) -> None:
+        """This loop did not run for ``late_s`` (an overloaded host, the process stopped): the
+        ranks' messages of that time may still wait unread, so their silence does not count.
+
+        Without this, the first tick after such a pause found every rank silent and aborted
+        the job blaming a rank that was alive (seen with 8 ranks on 2 busy cores: "rank 5 sent
+        no heartbeat for 53 s" with a 15 s limit, i.e. the check itself ran 38 s late).
+        """
+        log.warning("the coordinator did not run for %.1f s (its host is overloaded?); the ranks' silence in "
+                    "that time is not counted against their heartbeats", late_s)
+        for session in self._sessions.values():
+            session.last_seen += late_s
 
     def _check_health(self) -> None:
         now = time.monotonic()

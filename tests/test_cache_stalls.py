@@ -111,3 +111,40 @@ def test_a_rank_reports_its_caches_cycles_in_its_heartbeats():
     assert result.lines_starting("REPORT") == ["True False True"] * 2
 
 
+
+
+def test_a_coordinator_that_was_stopped_does_not_blame_the_ranks_for_its_own_silence(start):  # noqa: F811
+    """The coordinator's process is stopped for longer than the heartbeat timeout while the ranks
+    keep sending heartbeats; once it runs again it must not abort the job naming a live rank."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    daemon = start(RINGMASTER_HEARTBEAT_TIMEOUT_S="2", RINGMASTER_HEARTBEAT_INTERVAL_S="0.25")
+    ranks = job(daemon)
+    start.streams.extend(ranks)
+    beating = threading.Event()
+
+    def heartbeats():
+        while not beating.is_set():
+            for stream in ranks:
+                stream.send(pb.RankMessage(heartbeat=pb.Heartbeat()))
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=heartbeats, daemon=True)
+    thread.start()
+    try:
+        daemon.process.send_signal(signal.SIGSTOP)
+        time.sleep(4)  # twice the heartbeat timeout
+        daemon.process.send_signal(signal.SIGCONT)
+        time.sleep(2)
+        for stream in ranks:
+            with pytest.raises(queue.Empty):
+                message = stream.next(timeout=0.5)
+                pytest.fail(f"the coordinator sent {message}")
+    finally:
+        beating.set()
+        thread.join()
+    assert "the coordinator did not run for" in daemon.log()
+    assert "sent no heartbeat" not in daemon.log()
