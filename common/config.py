@@ -83,7 +83,10 @@ class Config:
     # evaluations on one rank already plan for.
     stall_shutdown_s: float = 1800.0
     heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 15.0
+    # A rank that dies breaks its stream at once; this limit only catches a frozen process or a
+    # vanished host. 60 s, not less: with 8 ranks on 2 busy cores a live rank's stream was
+    # seen silent for 16 s (its threads starved), and the job was aborted blaming it.
+    heartbeat_timeout_s: float = 60.0
     start_timeout_s: float = 30.0
     allreduce_algorithm: str = "auto"
     log_level: str = "WARNING"

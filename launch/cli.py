@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--heartbeat-interval-s", type=_number(float, 0, False), metavar="S",
                         help="how often an idle rank tells the coordinator it is alive (default 1)")
     tuning.add_argument("--heartbeat-timeout-s", type=_number(float, 0, False), metavar="S",
-                        help="declare a rank dead after S seconds without a heartbeat (default 15)")
+                        help="declare a rank dead after S seconds without a heartbeat (default 60)")
     tuning.add_argument("--background-nice", type=_number(int, 0, True), metavar="N",
                         help="nice value 0-19 of each rank's communication thread (default 19: it uses "
                              "the cycles training leaves; 0: equal priority)")
