@@ -10,7 +10,7 @@ import sys
 import torch
 
 import ringmaster as rm
-from reference_inputs import rank_input
+from reference_inputs import alltoall_case, rank_input
 from reference_inputs import reference as reference_for
 
 rm.init()
@@ -147,20 +147,10 @@ check("broadcast_ non-contiguous", target, torch.arange(24.0).reshape(4, 6), tor
 check("broadcast 0-d", rm.broadcast(torch.tensor(float(RANK + 5)), root_rank=0), torch.tensor(5.0), torch.float32)
 
 # ------------------------------------------------------------------ alltoall
-def splits_of(rank):
-    return [(rank + dst) % 3 for dst in range(SIZE)]
-
-
-inputs = [torch.arange(sum(splits_of(r)) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r for r in range(SIZE)]
-output, received = rm.alltoall(inputs[RANK], splits=splits_of(RANK))
-expected_parts = []
-for source in range(SIZE):
-    offsets = [0]
-    for s in splits_of(source):
-        offsets.append(offsets[-1] + s)
-    expected_parts.append(inputs[source][offsets[RANK]:offsets[RANK + 1]])
-check("alltoall splits", output, torch.cat(expected_parts), torch.float32)
-check("alltoall received splits", received, torch.tensor([splits_of(s)[RANK] for s in range(SIZE)]), torch.int32)
+inputs, splits, expected, received_splits = alltoall_case(RANK, SIZE)
+output, received = rm.alltoall(inputs[RANK], splits=splits)
+check("alltoall splits", output, expected, torch.float32)
+check("alltoall received splits", received, torch.tensor(received_splits), torch.int32)
 even = [torch.arange(SIZE * 2, dtype=torch.int64) + 10 * r for r in range(SIZE)]
 check("alltoall even", rm.alltoall(even[RANK]), torch.cat([e[2 * RANK:2 * RANK + 2] for e in even]), torch.int64)
 for bad_splits in (torch.ones(SIZE, dtype=torch.float32), [0.5] * SIZE):

@@ -11,7 +11,7 @@ import sys
 import torch
 
 import ringmaster as rm
-from reference_inputs import rank_input
+from reference_inputs import alltoall_case, rank_input
 from reference_inputs import reference as reference_for
 from job_report import Tally
 
@@ -102,21 +102,10 @@ for dtype in DTYPES + [torch.int8, torch.int16]:
     check(f"broadcast_ {dtype}", mine, full[root])
 
 
-def splits_of(rank):
-    return [(rank + dst) % 3 for dst in range(SIZE)]
-
-
-inputs = [torch.arange(sum(splits_of(r)) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r for r in range(SIZE)]
-output, received = rm.alltoall(inputs[RANK].to(GPU), splits=splits_of(RANK))
-expected_parts = []
-for source in range(SIZE):
-    offsets = [0]
-    for s in splits_of(source):
-        offsets.append(offsets[-1] + s)
-    expected_parts.append(inputs[source][offsets[RANK]:offsets[RANK + 1]])
-check("alltoall", output, torch.cat(expected_parts))
-TALLY.report("alltoall received splits", torch.equal(received.cpu(), torch.tensor(
-    [splits_of(s)[RANK] for s in range(SIZE)], dtype=torch.int32)))
+inputs, splits, expected, received_splits = alltoall_case(RANK, SIZE)
+output, received = rm.alltoall(inputs[RANK].to(GPU), splits=splits)
+check("alltoall", output, expected)
+TALLY.report("alltoall received splits", torch.equal(received.cpu(), torch.tensor(received_splits, dtype=torch.int32)))
 
 for rows in (SIZE * 2, SIZE + 1):
     for dtype in (torch.float32, torch.float16, torch.int64):

@@ -34,3 +34,18 @@ def reference(inputs, op_name, dtype, size):
     if not dtype.is_floating_point:
         result = result.to(torch.int64).to(dtype)  # wrap like the dtype does (uint8 sums)
     return result.to(dtype)
+
+
+def alltoall_case(rank, size):
+    """An uneven alltoall: (every rank's input, rank ``rank``'s splits, what ``rank`` must receive, its
+    received splits). Rank r sends ``(r + dst) % 3`` rows of 2 to rank dst."""
+    def splits_of(source):
+        return [(source + dst) % 3 for dst in range(size)]
+
+    inputs = [torch.arange(sum(splits_of(r)) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r for r in range(size)]
+    parts = []
+    for source in range(size):
+        start = sum(splits_of(source)[:rank])
+        parts.append(inputs[source][start:start + splits_of(source)[rank]])
+    received = [splits_of(source)[rank] for source in range(size)]
+    return inputs, splits_of(rank), torch.cat(parts), received
