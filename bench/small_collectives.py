@@ -97,7 +97,7 @@ def many_small(comm, steps):
 
 def idle_cost(comm, seconds=2.0):
     """Share of a core each rank spends while the cache is awake with nothing to do, and asleep."""
-    from ringmaster.worker.runtime import response_cache
+    from ringmaster.worker.runtime import current
 
     def share():
         comm.Barrier()
@@ -106,11 +106,12 @@ def idle_cost(comm, seconds=2.0):
         return comm.allreduce((time.process_time() - cpu) / (time.perf_counter() - wall), op=MPI.MAX)
 
     use_cache(True, comm)
-    dormant_after = response_cache.DORMANT_AFTER_S
-    response_cache.DORMANT_AFTER_S = float("inf")  # keep it awake, cycling every IDLE_CYCLE_S
+    protocol = current.runtime().cache.protocol
+    dormant_after = protocol.dormant_after_s
+    protocol.dormant_after_s = float("inf")  # keep it awake, cycling every IDLE_CYCLE_S
     rm.allreduce(torch.ones(1), name="idle.wake")
     awake = share()
-    response_cache.DORMANT_AFTER_S = dormant_after
+    protocol.dormant_after_s = dormant_after
     rm.allreduce(torch.ones(1), name="idle.wake")
     time.sleep(dormant_after + 0.1)
     return awake, share()

@@ -121,7 +121,7 @@ rm.remove_process_set(evens)
 
 # Asleep after a pause, and awake again at the next hit.
 time.sleep(0.6)
-asleep = cache is None or cache._dormant
+asleep = cache is None or cache.phase.value == "dormant"
 result = rm.allreduce(torch.ones(1) * rank, op=rm.Sum, name="global.sum.after.sleep")
 result = rm.allreduce(torch.ones(1) * rank, op=rm.Sum, name="global.sum.after.sleep")
 check(torch.equal(result, torch.ones(1) * sum(range(size))), f"after a pause: {result}")

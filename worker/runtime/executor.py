@@ -39,9 +39,6 @@ log = logging.getLogger("ringmaster.worker")
 
 _STOP = object()
 
-#: Responses the response cache may reuse (see ``response_cache``; kept here to avoid a cycle).
-CACHEABLE_OPS = (pb.ALLREDUCE, pb.BROADCAST)
-
 
 
 class Executor(AllreducePaths):
@@ -216,7 +213,8 @@ class Executor(AllreducePaths):
 
     def _execute(self, response: pb.Response) -> None:
         if self.cache is not None:
-            self._tell_cache(response)
+            # What the response cache learns from the coordinator's order, before it runs.
+            self.cache.tell(response, lambda: self.table.cache_keys(0, response.names))
         if response.op_type == pb.CACHE_WAKE:
             return
         if response.error_kind != pb.NO_ERROR:
@@ -231,17 +229,6 @@ class Executor(AllreducePaths):
             response.device, lambda: self.table.device_index(response.process_set_id, response.names))
         with device.scope():
             self._run_response[response.op_type](response, group, device)
-
-    def _tell_cache(self, response: pb.Response) -> None:
-        """Pass on what the response cache learns from the coordinator's order (before running it)."""
-        op = response.op_type
-        if op == pb.CACHE_WAKE:
-            self.cache.wake(response.error_message if response.error_kind != pb.NO_ERROR else None)
-        elif op == pb.JOIN and response.last_joined_rank >= 0:
-            self.cache.join_completed()
-        elif (op in CACHEABLE_OPS and response.error_kind == pb.NO_ERROR and response.process_set_id == 0
-              and not response.joined_ranks):
-            self.cache.propose(response, self.table.cache_keys(0, response.names))
 
     def _fail(self, response: pb.Response, error: BaseException) -> None:
         for name in response.names:

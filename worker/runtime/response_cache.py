@@ -41,6 +41,10 @@ A rank that leaves while others still use their caches is announced by the coord
 cycle that can no longer complete, and its hits go to the coordinator, which fails them
 with the usual error naming the rank that left.
 
+The decisions above are made in ``cache_protocol.py`` (a state machine with no threads and
+no MPI, which the schedule explorer in ``tests/test_cache_schedules.py`` runs for many
+simulated ranks); this module is its driver: the thread, the allreduce, the runs.
+
 Everything the cache cannot decide goes to the coordinator, which keeps its checks: a hit
 still pending after :data:`WITHDRAW_AFTER_S` is withdrawn, so a rank that submits the
 name with another shape or never submits it at all gets the same mismatch error or stall
@@ -49,14 +53,11 @@ warning (naming the rank) as without the cache.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import logging
-import math
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -64,17 +65,12 @@ from mpi4py import MPI
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
+from ringmaster.worker.runtime.cache_protocol import (WITHDRAW_AFTER_S, CacheProtocol, Hit, Phase, Proposal, Slot,
+                                                      Step)
 from ringmaster.worker.runtime.errors import RingmasterError
-from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES
 
 log = logging.getLogger("ringmaster.worker")
 
-#: A pending hit still waiting for the other ranks after this long goes to the coordinator,
-#: which can tell a late rank from a mismatched or missing one. Longer than the skew of ranks
-#: in a training step; short enough that the coordinator's stall warning (60 s) still comes.
-WITHDRAW_AFTER_S = 1.0
-#: Every rank idle this long (no hit, no proposal): the cache sleeps until the next event.
-DORMANT_AFTER_S = 0.2
 #: How often a rank with nothing pending runs a cycle while the cache is awake. Its cycles
 #: only keep it in step with the others: a rank whose caller waits on a hit runs cycles
 #: itself at once. At 1 ms (the cycle time) an idle rank spent about a tenth of a core on them.
@@ -82,28 +78,12 @@ IDLE_CYCLE_S = 0.01
 #: The pause between tests of an idle rank's cycle (its own callers wait on nothing).
 IDLE_TEST_PAUSE_S = 200e-6
 
-# Fields of the cycle vector before the slot bits; every field is reduced with MIN.
-_QUEUED, _IDLE, _EVENTS, _MINUS_EVENTS, _CLOSING, _JOIN_ROUND = range(6)
-_HEADER = 6
-#: The join round field of a rank that has not joined.
-_NO_JOIN = 1 << 62
 
-
-@dataclasses.dataclass
-class _Slot:
-    template: pb.Response          # the single-tensor response to run on a hit
-    signature: bytes               # the template's bytes: the same on every rank
-    key: Optional[tuple]           # this rank's signature that hits it (None: not seen here)
-    last_run: int = 0              # cycle of its last run (eviction: least recent first)
-    nbytes: int = 0
-    fuse_key: Optional[tuple] = None  # slots with equal keys may run as one fused allreduce
-
-
-@dataclasses.dataclass
 class _Ran:
     """What ran in one go, as the autotuner reads a response list."""
 
-    responses: list
+    def __init__(self, responses: list):
+        self.responses = responses
 
 
 class _Batch:
@@ -116,7 +96,7 @@ class _Batch:
     process_set_id = 0
     joined_ranks = ()
 
-    def __init__(self, slots: List[_Slot]):
+    def __init__(self, slots: List[Slot]):
         first = slots[0].template
         self.op_type, self.reduce_op, self.dtype, self.device = (first.op_type, first.reduce_op, first.dtype,
                                                                  first.device)
@@ -124,17 +104,6 @@ class _Batch:
         self.prescale_factor, self.postscale_factor = first.prescale_factor, first.postscale_factor
         self.names = [slot.template.names[0] for slot in slots]
         self.shapes = [slot.template.shapes[0] for slot in slots]
-
-
-
-@dataclasses.dataclass
-class _Hit:
-    entry: object
-    requests: object   # its request as a one-item list, or a function that makes it
-    since: float
-
-    def request_list(self) -> List[pb.TensorRequest]:
-        return self.requests() if callable(self.requests) else self.requests
 
 
 class ResponseCache:
@@ -155,45 +124,38 @@ class ResponseCache:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.capacity = capacity
+        self.protocol = CacheProtocol(capacity)
         self._executor = executor
         self._fusion_threshold = max(fusion_threshold_bytes, 1)
         self._cycle_time_s = cycle_time_s
         self._negotiate = negotiate
         self._on_fatal = on_fatal
-        self._lock = threading.Condition()
-        # Cache-timeline state: the same on every rank after each cycle.
-        self._slots: List[_Slot] = []
-        self._by_signature: Dict[bytes, int] = {}
-        self._cycle_number = 0
-        self._dormant = False
-        self._dormant_events = 0
-        # This rank's state.
-        self._by_key: Dict[tuple, int] = {}
-        self._pending: Dict[int, _Hit] = {}                   # slot -> hit with its bit set
-        self._waiting: Dict[tuple, List[_Hit]] = {}           # key -> hits waiting for a queued proposal
-        self._queued: "collections.deque[Tuple[pb.Response, bytes, Optional[tuple]]]" = collections.deque()
-        self._queued_keys: Dict[tuple, int] = {}
-        self._events = 0
-        self._last_activity = time.monotonic()
-        self._flush = False
-        self._wake_sent = False
-        self._closing = False
-        self._peer_left: Optional[str] = None  # a rank shut down: the cache stops for good
-        self._finished = False                 # no more cycles: every rank stopped, or one failed or left
+        self._lock = threading.Condition()     # guards the protocol and what follows
+        self._flush = False                    # a caller waits on a hit: cycle now
         self._driver = threading.Lock()        # held by whichever thread runs a cycle
         self._callers = 0                      # callers running cycles themselves (drive)
         self._last_cycle_at = 0.0
         self._in_cycle_since: Optional[float] = None  # when this rank entered the cycle it waits in
-        self._suspend_requested = False  # this rank joined
-        self._suspended = False          # some rank joined: negotiate everything until the JOIN response
-        self._joins_completed = 0        # JOIN responses seen: numbers the join rounds
-        self.enabled = True              # False: negotiate every request (autotuning's switch)
         self.autotune = None             # the Autotuner (RINGMASTER_AUTOTUNE) to tell what ran here
         self.hits = 0
         self._thread = threading.Thread(target=self._run, name="ringmaster-cache", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def enabled(self) -> bool:
+        """False: negotiate every request (autotuning's switch; only changes what this rank takes)."""
+        return self.protocol.enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        with self._lock:
+            self.protocol.enabled = on
+
+    @property
+    def phase(self) -> Phase:
+        return self.protocol.phase
 
     # ------------------------------------------------------ the user's threads
     def take(self, entry, requests) -> bool:
@@ -202,21 +164,11 @@ class ResponseCache:
         ``requests``: its request as a one-item list, or a function that makes it (needed
         only if the hit is withdrawn).
         """
-        now = time.monotonic()
         with self._lock:
-            if not self.enabled or self._suspended or self._closing or self._peer_left is not None:
-                return False
-            key = entry.cache_key
-            slot = self._by_key.get(key)
-            if slot is not None:
-                self._pending[slot] = _Hit(entry, requests, now)
-            elif key in self._queued_keys:
-                self._waiting.setdefault(key, []).append(_Hit(entry, requests, now))
-            else:
+            if not self.protocol.take(entry.cache_key, Hit(entry, requests, time.monotonic())):
                 return False
             self.hits += 1
-            self._last_activity = now
-            if self._dormant:
+            if self.protocol.phase is Phase.DORMANT:
                 self._lock.notify()  # to send CACHE_WAKE
             # A caller that waits next runs the cycles itself (drive); others run within a cycle time.
             return True
@@ -224,51 +176,53 @@ class ResponseCache:
     def flush(self) -> None:
         """A caller waits: run a cycle now rather than after the cycle time."""
         with self._lock:
-            if self._pending or self._waiting:
+            if self.protocol.has_hits():
                 self._flush = True
                 self._lock.notify()
 
     # --------------------------------------------- the coordinator's responses
+    def tell(self, response: pb.Response, keys: Callable[[], Dict[str, Optional[tuple]]]) -> None:
+        """The executor is about to run ``response`` (in the coordinator's order): learn from it.
+
+        ``keys()``: this rank's signature of each of its names (only read for a proposal).
+        """
+        op = response.op_type
+        if op == pb.CACHE_WAKE:
+            self.wake(response.error_message if response.error_kind != pb.NO_ERROR else None)
+        elif op == pb.JOIN and response.last_joined_rank >= 0:
+            self.join_completed()
+        elif (op in (pb.ALLREDUCE, pb.BROADCAST) and response.error_kind == pb.NO_ERROR
+              and response.process_set_id == 0 and not response.joined_ranks):
+            self.propose(response, keys())
+
     def propose(self, response: pb.Response, keys: Dict[str, Optional[tuple]]) -> None:
         """The executor ran ``response`` (in the coordinator's order): queue its tensors as slots."""
         with self._lock:
             for index, name in enumerate(response.names):
-                if ".noname." in name:
-                    continue  # an automatic name never comes again
-                template = pb.Response(
-                    op_type=response.op_type, reduce_op=response.reduce_op, names=[name], dtype=response.dtype,
-                    device=response.device, root_rank=response.root_rank,
-                    prescale_factor=response.prescale_factor, postscale_factor=response.postscale_factor,
-                    compression=response.compression)
-                template.shapes.add().CopyFrom(response.shapes[index])
-                key = keys.get(name)
-                self._queued.append((template, template.SerializeToString(), key))
-                if key is not None:
-                    self._queued_keys[key] = self._queued_keys.get(key, 0) + 1
-                self._events += 1
+                if ".noname." not in name:  # an automatic name never comes again
+                    self.protocol.propose(Proposal.from_response(response, index, keys.get(name)))
             self._lock.notify()
 
     def wake(self, peer_left: Optional[str] = None) -> None:
         """A ``CACHE_WAKE`` response came up in the coordinator's order (``peer_left``: its error)."""
         with self._lock:
             if peer_left is not None:
-                self._peer_left = peer_left
+                self.protocol.leave(peer_left)
             else:
-                self._events += 1
+                self.protocol.wake_event()
             self._lock.notify()
 
     def join_requested(self) -> None:
         """This rank joins: every rank is to stop using the cache until the JOIN response."""
         with self._lock:
-            self._suspend_requested = True
+            self.protocol.request_join()
             self._lock.notify()
 
     def join_completed(self) -> None:
         """The JOIN response came up: the cache may be used again."""
         with self._lock:
-            self._joins_completed += 1
-            self._suspend_requested = False
-            self._suspended = False
+            self.protocol.join_completed()
+            self._lock.notify()
 
     # ---------------------------------------------------------------- shutdown
     def stop(self, timeout_s: float = 10.0) -> bool:
@@ -278,7 +232,7 @@ class ResponseCache:
         rank that has left is announced to the others, whose caches then stop for good.
         """
         with self._lock:
-            self._closing = True
+            self.protocol.request_close()
             self._lock.notify()
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
@@ -287,10 +241,9 @@ class ResponseCache:
         """Where this rank is in the cycles, for its heartbeats (read without the lock: a
         heartbeat must not wait for a thread that holds it)."""
         since = self._in_cycle_since
-        phase = ("finished" if self._finished else "dormant" if self._dormant
-                 else "suspended" if self._suspended else "awake")
-        return pb.CacheCycles(cycles_done=self._cycle_number, in_cycle=since is not None,
-                              waiting_s=0.0 if since is None else max(0.0, time.monotonic() - since), phase=phase)
+        return pb.CacheCycles(cycles_done=self.protocol.cycles_done, in_cycle=since is not None,
+                              waiting_s=0.0 if since is None else max(0.0, time.monotonic() - since),
+                              phase=self.protocol.phase.value)
 
     # ------------------------------------------------------------------ thread
     def drive(self, done: Callable[[], bool]) -> None:
@@ -306,7 +259,7 @@ class ResponseCache:
         try:
             while not done():
                 with self._lock:
-                    if not (self._pending or self._waiting) or self._dormant or self._finished:
+                    if not self.protocol.has_hits() or not self.protocol.phase.cycles:
                         return
                 if not self._driver.acquire(blocking=False):
                     self._flush = True  # the thread's cycle hurries; this caller runs the next
@@ -327,17 +280,38 @@ class ResponseCache:
         self._executor.lower_priority()
         while True:
             with self._lock:
-                if self._finished or not self._wait_for_cycle():
+                if not self._wait_for_cycle():
                     return
-            with self._lock:
-                urgent = self._has_work()
+                urgent = self.protocol.has_work()
             with self._driver:
                 self._guarded_cycle(urgent)
 
-    def _has_work(self) -> bool:
-        """Under the lock: whether this rank needs cycles now (else they only keep it in step)."""
-        return bool(self._pending or self._waiting or self._queued or self._closing
-                    or (self._suspend_requested and not self._suspended))
+    def _wait_for_cycle(self) -> bool:
+        """Under the lock: wait until a cycle is due; False when the thread is to end."""
+        while True:
+            step = self.protocol.next_step()
+            self._send_withdrawn()
+            if step is Step.END:
+                if self.protocol.peer_left is not None:
+                    log.info("rank %d: response cache stopped: %s", self.rank, self.protocol.peer_left)
+                return False
+            if step is Step.WAIT:
+                if self.protocol.wake_needed():
+                    self._negotiate([pb.TensorRequest(name="cache.wake", op_type=pb.CACHE_WAKE)])
+                self._lock.wait()
+                continue
+            # A caller waits on a hit here: cycle at once, again and again until it has run.
+            # Otherwise one cycle per cycle time while this rank has work; with none, only every
+            # IDLE_CYCLE_S: its cycles then only keep it in step with the others (whose callers,
+            # when they wait, run cycles themselves), until every rank is idle and all sleep.
+            if self._flush and self.protocol.has_hits() and not self._callers:
+                self._flush = False
+                return True
+            period = self._cycle_time_s if self.protocol.has_work() else max(self._cycle_time_s, IDLE_CYCLE_S)
+            pause = self._last_cycle_at + period - time.monotonic()
+            if pause <= 0:
+                return True
+            self._lock.wait(pause)  # a caller may run cycles meanwhile, which postpones this one
 
     def _guarded_cycle(self, urgent: bool) -> None:
         """A cycle; ``urgent``: some work of this rank's waits on it, so its waits yield the core
@@ -345,38 +319,39 @@ class ResponseCache:
         try:
             with waiting.impatiently() if urgent else contextlib.nullcontext():
                 self._cycle(urgent)
-        except RingmasterError as error:
-            self._finished = True
-            self._on_fatal(error)
         except Exception as error:  # noqa: BLE001 - every failure must reach the handles
-            self._finished = True
-            log.exception("response cache failed")
-            self._on_fatal(RingmasterError(f"rank {self.rank}: the response cache failed: "
-                                           f"{type(error).__name__}: {error}"))
+            with self._lock:
+                self.protocol.finish()
+                self._send_withdrawn()
+            if not isinstance(error, RingmasterError):
+                log.exception("response cache failed")
+                error = RingmasterError(f"rank {self.rank}: the response cache failed: "
+                                        f"{type(error).__name__}: {error}")
+            self._on_fatal(error)
 
     def _cycle(self, urgent: bool) -> None:
         """One cycle (the caller holds the driver lock): agree, apply, run what is ready everywhere."""
         with self._lock:
-            if self._dormant or self._finished:
+            if not self.protocol.phase.cycles:
                 return
-            self._withdraw_stale(time.monotonic())
-            vector = self._vector()
+            vector = self.protocol.vector(time.monotonic())
+            self._send_withdrawn()
         result = np.empty_like(vector)
         self._in_cycle_since = time.monotonic()
         try:
             completed = self._wait(self.comm.Iallreduce(vector, result, op=MPI.MIN), urgent)
         finally:
             self._in_cycle_since = None
-        if not completed:
-            with self._lock:
-                self._give_up()
-                self._finished = True
-            return
         with self._lock:
-            ready = self._apply(result)
+            if not completed:  # a rank left: the next step ends the cache
+                return
+            ready = self.protocol.apply(result, time.monotonic())
+            self._send_withdrawn()
             self._last_cycle_at = time.monotonic()
         if ready and not self._run_slots(ready):
-            self._finished = True
+            with self._lock:
+                self.protocol.finish()
+                self._send_withdrawn()
 
     def _wait(self, request, urgent: bool) -> bool:
         """Wait for a cycle's allreduce; False if a rank left, so that it can never complete.
@@ -387,6 +362,8 @@ class ResponseCache:
         while not urgent:
             if request.Test():
                 return True
+            if self.protocol.abandons_cycle():
+                return False
             time.sleep(IDLE_TEST_PAUSE_S)
             urgent = self._flush
             error = waiting.abort_error()
@@ -398,163 +375,25 @@ class ResponseCache:
                     waiting.wait_for(request, WITHDRAW_AFTER_S)
                     return True
                 except TimeoutError:
-                    if self._peer_left is not None:
+                    if self.protocol.abandons_cycle():
                         return False
 
-    def _give_up(self) -> None:
-        """Under the lock: a rank left; every hit here goes to the coordinator, which fails it."""
-        log.info("rank %d: response cache stopped: %s", self.rank, self._peer_left)
-        self._withdraw_all()
-
-    def _withdraw_all(self) -> None:
-        """Under the lock, between cycles: every hit of this rank goes to the coordinator."""
-        hits = list(self._pending.values()) + [hit for waiting in self._waiting.values() for hit in waiting]
-        self._pending.clear()
-        self._waiting.clear()
-        for hit in hits:
-            self._withdraw(hit)
-
-    def _wait_for_cycle(self) -> bool:
-        """Under the lock: wait until a cycle is due; False when the thread is to end."""
-        while self._dormant:
-            if self._peer_left is not None:
-                self._give_up()
-                return False
-            if self._events > self._dormant_events:
-                self._dormant = False
-                self._wake_sent = False
-                return True
-            if self._closing:
-                return False  # every rank saw the same events: every rank ends here
-            if (self._pending or self._waiting) and not self._wake_sent:
-                self._wake_sent = True
-                self._negotiate([pb.TensorRequest(name="cache.wake", op_type=pb.CACHE_WAKE)])
-            self._lock.wait()
-        # A caller waits on a hit here: cycle at once, again and again until it has run.
-        # Otherwise one cycle per cycle time while this rank has work; with none, only every
-        # IDLE_CYCLE_S: its cycles then only keep it in step with the others (whose callers,
-        # when they wait, run cycles themselves), until every rank is idle and all sleep.
-        while not self._finished and not self._dormant:
-            if self._flush and (self._pending or self._waiting) and not self._callers:
-                self._flush = False
-                break
-            period = self._cycle_time_s if self._has_work() else max(self._cycle_time_s, IDLE_CYCLE_S)
-            pause = self._last_cycle_at + period - time.monotonic()
-            if pause <= 0:
-                break
-            self._lock.wait(pause)  # a caller may run cycles meanwhile, which postpones this one
-        return not self._finished
-
-    def _withdraw_stale(self, now: float) -> None:
-        stale = [slot for slot, hit in self._pending.items() if now - hit.since > WITHDRAW_AFTER_S]
-        for slot in stale:
-            self._withdraw(self._pending.pop(slot))
-        for key in [key for key, hits in self._waiting.items() if now - hits[0].since > WITHDRAW_AFTER_S]:
-            for hit in self._waiting.pop(key):
-                self._withdraw(hit)
-
-    def _withdraw(self, hit: _Hit) -> None:
-        recording = timeline.active()
-        if recording is not None:
-            recording.end([hit.entry.name])
-            recording.begin([hit.entry.name], f"NEGOTIATE_{pb.OpType.Name(hit.entry.op_type)}")
-        self._negotiate(hit.request_list())
-
-    def _vector(self) -> np.ndarray:
-        vector = np.zeros(_HEADER + len(self._slots), dtype=np.int64)
-        vector[_QUEUED] = len(self._queued)
-        # A joined rank waits for the others to step aside; once they have, it is idle (join() may last long).
-        busy = self._pending or self._waiting or self._queued or (self._suspend_requested and not self._suspended)
-        vector[_IDLE] = 0 if busy else int(time.monotonic() - self._last_activity >= DORMANT_AFTER_S)
-        vector[_EVENTS] = self._events
-        vector[_MINUS_EVENTS] = -self._events
-        vector[_CLOSING] = int(self._closing)
-        vector[_JOIN_ROUND] = self._joins_completed if self._suspend_requested else _NO_JOIN
-        for slot in self._pending:
-            vector[_HEADER + slot] = 1
-        return vector
-
-    def _apply(self, result: np.ndarray) -> List[_Slot]:
-        """Under the lock: act on a cycle's result, as every rank does. Returns the slots to run
-        (their entries wait in the tensor table, where the executor takes them by name)."""
-        self._cycle_number += 1
-        numbers = np.flatnonzero(result[_HEADER:]).tolist()
-        for number in numbers:
-            del self._pending[number]
-        ready = [self._slots[number] for number in numbers]
-        for slot in ready:
-            slot.last_run = self._cycle_number
-        if ready:
-            self._last_activity = time.monotonic()
-        if not (self._pending or self._waiting):
-            self._flush = False
-        # A join round that has already ended here (its JOIN response came first) is no reason.
-        if result[_JOIN_ROUND] == self._joins_completed and not self._suspended:
-            self._suspended = True
-            self._withdraw_all()
-        for _ in range(int(result[_QUEUED])):
-            self._insert(*self._queued.popleft())
-        if result[_CLOSING]:
-            self._finished = True
-        elif result[_IDLE] and result[_EVENTS] == -result[_MINUS_EVENTS] and not ready:
-            self._dormant = True
-            self._dormant_events = int(result[_EVENTS])
-        return ready
-
-    def _insert(self, template: pb.Response, signature: bytes, key: Optional[tuple]) -> None:
-        """Apply one queued proposal (every rank applies the same ones in the same order)."""
-        if key is not None:
-            left = self._queued_keys[key] - 1
-            if left:
-                self._queued_keys[key] = left
-            else:
-                del self._queued_keys[key]
-        slot = self._by_signature.get(signature)
-        if slot is None:
-            if len(self._slots) < self.capacity:
-                slot = len(self._slots)
-                self._slots.append(None)
-            else:
-                slot = min(range(len(self._slots)), key=lambda s: self._slots[s].last_run)
-                self._evict(slot)
-            shape = tuple(template.shapes[0].dims)
-            nbytes = math.prod(shape) * SUPPORTED_DTYPES[template.dtype].itemsize
-            fuse_key = None
-            if template.op_type == pb.ALLREDUCE:
-                fuse_key = (template.dtype, template.reduce_op, template.prescale_factor, template.postscale_factor,
-                            template.compression)
-            self._slots[slot] = _Slot(template, signature, None, self._cycle_number, nbytes, fuse_key)
-            self._by_signature[signature] = slot
-        entry = self._slots[slot]
-        entry.last_run = self._cycle_number
-        if key is not None and entry.key != key:
-            if entry.key is not None:
-                self._by_key.pop(entry.key, None)
-            entry.key = key
-            self._by_key[key] = slot
-        if key is not None:
-            for hit in self._waiting.pop(key, []):
-                if slot in self._pending:  # a second hit on one name: only the coordinator can sort it out
-                    self._withdraw(hit)
-                else:
-                    self._pending[slot] = hit
-
-    def _evict(self, slot: int) -> None:
-        old = self._slots[slot]
-        del self._by_signature[old.signature]
-        if old.key is not None:
-            self._by_key.pop(old.key, None)
-        hit = self._pending.pop(slot, None)
-        if hit is not None:
-            self._withdraw(hit)
+    def _send_withdrawn(self) -> None:
+        """Under the lock: hits the protocol withdrew go to the coordinator."""
+        for hit in self.protocol.drain_withdrawn():
+            recording = timeline.active()
+            if recording is not None:
+                recording.end([hit.entry.name])
+                recording.begin([hit.entry.name], f"NEGOTIATE_{pb.OpType.Name(hit.entry.op_type)}")
+            self._negotiate(hit.request_list())
 
     # ------------------------------------------------------------- running
-    def _run_slots(self, ready: List[_Slot]) -> bool:
+    def _run_slots(self, ready: List[Slot]) -> bool:
         """Run the ready slots in slot order: allreduces fused while they agree, the rest one by one.
 
         False if one failed (the executor has failed its handles and the job).
         """
-        batch: List[_Slot] = []
+        batch: List[Slot] = []
         batch_bytes = 0
         for slot in ready:
             if batch and (slot.fuse_key is None or slot.fuse_key != batch[0].fuse_key
@@ -566,20 +405,16 @@ class ResponseCache:
             batch_bytes += slot.nbytes
         return self._run_batch(batch) if batch else True
 
-    def _run_batch(self, batch: List[_Slot]) -> bool:
+    def _run_batch(self, batch: List[Slot]) -> bool:
         response = batch[0].template if len(batch) == 1 else _Batch(batch)
         names = list(response.names)
         recording = timeline.active()
         if recording is not None:
-            recording.end(names)
-            recording.begin(names, f"CACHED_{pb.OpType.Name(response.op_type)}")
+            recording.end(names)  # their NEGOTIATE span: the cache has agreed
         try:
-            return self._executor.execute(response)
+            with timeline.span(names, f"CACHED_{pb.OpType.Name(response.op_type)}"):
+                return self._executor.execute(response)
         finally:
-            if recording is not None:
-                recording.end(names)
             tuner = self.autotune
             if tuner is not None and tuner.active:
                 tuner.observe(_Ran([response]))  # cached bytes count too, or tuning would shun the cache
-
-
