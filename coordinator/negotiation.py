@@ -274,8 +274,7 @@ class Negotiator:
         """``rank`` shut down: tensors it never submitted can never complete, so they fail now."""
         self._departed[rank] = who
         # Response caches run their own collectives, which need every rank: tell the others.
-        self._ready.append(pb.Response(op_type=pb.CACHE_WAKE, error_kind=pb.RANK_FAILED,
-                                       error_message=f"rank {rank} ({who}) shut down"))
+        self._ready.append(pb.Response(op_type=pb.RANK_LEFT, departed_rank=rank, departed=f"rank {rank} ({who})"))
         for entry in list(self._pending.values()):
             self._fail_if_orphaned(entry)
         # A group of its set can get no more parts (each needs this rank): what is done goes out.
@@ -308,10 +307,10 @@ class Negotiator:
             self._joined.append(rank)
             self._join_progress, self._join_warned = self._clock(), False
             if len(self._joined) < self.size:
-                # Announced to every rank in the order (last_joined_rank -1: not the end of join):
-                # the joined rank's gradient plans start standing in for it only then, so that
-                # the others cannot finish steps, and join, before this join is counted here.
-                self._ready.append(pb.Response(op_type=pb.JOIN, joined_ranks=[rank], last_joined_rank=-1))
+                # Announced to every rank in the order: the joined rank's gradient plans start
+                # standing in for it only then, so that the others cannot finish steps, and
+                # join, before this join is counted here.
+                self._ready.append(pb.Response(op_type=pb.JOIN_COUNTED, joined_ranks=[rank]))
         # A joined rank counts as having declared every tensor of the global set: some may
         # now be complete. (join() is global: other sets' tensors still wait for every member.)
         for entry in list(self._pending.values()):

@@ -82,6 +82,8 @@ def request_problem(request: pb.TensorRequest, size: int, max_group_size: int) -
         return Problem("op_type", str(op), f"not an operation; one of {_listing(OP_NAMES)}")
     if op == pb.AUTOTUNE:
         return Problem("op_type", "autotune", "not a request: rank 0's autotuner sends a Tuning message")
+    if op in (pb.JOIN_COUNTED, pb.RANK_LEFT):
+        return Problem("op_type", OP_NAMES[op], "not a request: only the coordinator announces it")
     if request.reduce_op not in REDUCE_NAMES:
         return Problem("reduce_op", str(request.reduce_op), f"not a reduction; one of {_listing(REDUCE_NAMES)}")
     problem = (_name_problem("name", request.name) or _set_id_problem(request)

@@ -165,7 +165,7 @@ def test_joined_rank_counts_as_declared_and_join_completes_when_all_joined():
     negotiator = Negotiator(2)
     negotiator.add_request(1, pb.TensorRequest(name="join", op_type=pb.JOIN))
     [counted] = negotiator.pop_ready()  # every rank hears, in order, that rank 1's join counts
-    assert counted.op_type == pb.JOIN and list(counted.joined_ranks) == [1] and counted.last_joined_rank == -1
+    assert counted.op_type == pb.JOIN_COUNTED and list(counted.joined_ranks) == [1]
     negotiator.add_request(0, request("late"))
     [response] = negotiator.pop_ready()
     assert list(response.names) == ["late"] and list(response.joined_ranks) == [1]
@@ -180,7 +180,7 @@ def test_only_allreduce_and_barrier_run_with_a_joined_rank(op):
     negotiator.add_request(1, pb.TensorRequest(name="join", op_type=pb.JOIN))
     negotiator.add_request(0, request("b", op=op, root_rank=0))
     counted, response = negotiator.pop_ready()
-    assert counted.op_type == pb.JOIN
+    assert counted.op_type == pb.JOIN_COUNTED
     assert response.error_kind == pb.INVALID_REQUEST and "have joined" in response.error_message
     assert "as in Horovod" in response.error_message and "may call join() now" in response.error_message
 
@@ -212,7 +212,7 @@ def test_tensors_a_departed_rank_never_submitted_fail_at_once():
     negotiator.add_request(2, request("done.by.2"))
     negotiator.depart(2, "host h, pid 7")
     notice, failed = negotiator.pop_ready()
-    assert notice.op_type == pb.CACHE_WAKE  # tells the response caches (see the next test)
+    assert notice.op_type == pb.RANK_LEFT and notice.departed_rank == 2  # tells the response caches
     assert failed.error_kind == pb.RANK_FAILED and list(failed.names) == ["pending"]
     assert "rank 2 (host h, pid 7) shut down" in failed.error_message and "join()" in failed.error_message
     negotiator.add_request(0, request("later"))  # submitted after the departure: fails at once
@@ -231,8 +231,16 @@ def test_a_cache_wake_is_answered_at_once_and_a_departure_is_announced_to_the_ca
     assert wake.op_type == pb.CACHE_WAKE and wake.error_kind == pb.NO_ERROR
     negotiator.depart(2, "host h, pid 7")
     [notice] = negotiator.pop_ready()
-    assert notice.op_type == pb.CACHE_WAKE and notice.error_kind == pb.RANK_FAILED
-    assert "rank 2 (host h, pid 7) shut down" in notice.error_message
+    assert notice.op_type == pb.RANK_LEFT and notice.departed_rank == 2 and notice.error_kind == pb.NO_ERROR
+    assert notice.departed == "rank 2 (host h, pid 7)"
+
+
+@pytest.mark.parametrize("op", [pb.JOIN_COUNTED, pb.RANK_LEFT])
+def test_announcements_only_the_coordinator_makes_are_refused_as_requests(op):
+    negotiator = Negotiator(2)
+    negotiator.add_request(0, pb.TensorRequest(name="x", op_type=op))
+    [refused] = negotiator.pop_ready()
+    assert refused.error_kind == pb.INVALID_REQUEST and "only the coordinator announces it" in refused.error_message
 
 
 @pytest.mark.parametrize("field", [{"process_set_id": 1}, {"group": "g", "group_size": 1}])

@@ -143,7 +143,7 @@ def test_a_group_a_departed_rank_can_never_complete_is_released_with_what_is_don
     negotiator.add_request(0, request("g.1", group="g", group_size=3))
     assert negotiator.pop_ready() == []
     negotiator.depart(1, "host h, pid 9")
-    responses = [r for r in negotiator.pop_ready() if r.op_type != pb.CACHE_WAKE]  # the caches' notice
+    responses = [r for r in negotiator.pop_ready() if r.op_type != pb.RANK_LEFT]  # the caches' notice
     assert [(list(r.names), r.error_kind) for r in responses] == [(["g.0"], pb.NO_ERROR), (["g.1"], pb.RANK_FAILED)]
     assert negotiator.stalls(0, only_new=False) == []
 

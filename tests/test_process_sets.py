@@ -181,10 +181,10 @@ def test_join_and_departures_concern_only_the_sets_a_rank_is_in():
     negotiator.add_request(1, pb.TensorRequest(name="join", op_type=pb.JOIN))
     negotiator.add_request(0, request("s", pair))
     # join() is global: the set still waits for rank 1 (every rank only hears the join counted)
-    assert [(r.op_type, r.last_joined_rank) for r in negotiator.pop_ready()] == [(pb.JOIN, -1)]
+    assert [r.op_type for r in negotiator.pop_ready()] == [pb.JOIN_COUNTED]
     negotiator.depart(2, "host h, pid 9")
     # rank 2 is not in the set: nothing to fail (only the response caches hear of it)
-    assert [r.op_type for r in negotiator.pop_ready()] == [pb.CACHE_WAKE]
+    assert [r.op_type for r in negotiator.pop_ready()] == [pb.RANK_LEFT]
     negotiator.add_request(1, request("s", pair))
     [done] = negotiator.pop_ready()
     assert done.error_kind == pb.NO_ERROR and not done.joined_ranks

@@ -120,6 +120,10 @@ def reduced_bytes(response: pb.Response) -> int:
     return sum(math.prod(shape.dims) * itemsize for shape in response.shapes)
 
 
+#: Responses that are control, not a step's work.
+_CONTROL_OPS = (pb.AUTOTUNE, pb.CACHE_WAKE, pb.JOIN, pb.JOIN_COUNTED, pb.RANK_LEFT)
+
+
 @dataclasses.dataclass
 class Applied:
     """One AUTOTUNE response as this rank ran it: where in the order, and what it set."""
@@ -205,7 +209,7 @@ class Autotuner:
         if not self._measuring:
             return
         for response in response_list.responses:
-            if response.op_type in (pb.AUTOTUNE, pb.CACHE_WAKE, pb.JOIN):  # control, not a step's work
+            if response.op_type in _CONTROL_OPS:
                 continue
             self._bytes += reduced_bytes(response)
             self._responses += 1

@@ -96,7 +96,7 @@ class Executor(AllreducePaths):
         self._run_response = {
             pb.ALLREDUCE: self._allreduce, pb.ALLGATHER: self._allgather, pb.BROADCAST: self._broadcast,
             pb.ALLTOALL: self._alltoall, pb.REDUCESCATTER: self._reducescatter,
-            pb.BARRIER: self._barrier, pb.JOIN: self._join,
+            pb.BARRIER: self._barrier, pb.JOIN: self._join, pb.JOIN_COUNTED: self._join_counted,
             pb.PROCESS_SET_ADD: self._add_process_set, pb.PROCESS_SET_REMOVE: self._remove_process_set,
             pb.AUTOTUNE: self._autotune,
         }
@@ -215,8 +215,8 @@ class Executor(AllreducePaths):
         if self.cache is not None:
             # What the response cache learns from the coordinator's order, before it runs.
             self.cache.tell(response, lambda: self.table.cache_keys(0, response.names))
-        if response.op_type == pb.CACHE_WAKE:
-            return
+        if response.op_type in (pb.CACHE_WAKE, pb.RANK_LEFT):
+            return  # for the response cache only
         if response.error_kind != pb.NO_ERROR:
             error_type = {pb.MISMATCH: TensorMismatchError, pb.RANK_FAILED: RankFailedError}.get(
                 response.error_kind, RingmasterError)
@@ -324,11 +324,12 @@ class Executor(AllreducePaths):
         if self.autotune is not None:
             self.autotune.apply(response.tuning, self._expected_sequence - 1)
 
+    def _join_counted(self, response: pb.Response, group: SetComm, device=None) -> None:
+        """The coordinator counted a rank's join (it announces each)."""
+        if self.rank in response.joined_ranks:
+            self._on_join_counted()
+
     def _join(self, response: pb.Response, group: SetComm, device=None) -> None:
-        if response.last_joined_rank < 0:  # the coordinator counted a rank's join (it announces each)
-            if self.rank in response.joined_ranks:
-                self._on_join_counted()
-            return
         self._on_join_counted()  # the last rank to join: its plans answer the final headers too
         self._on_join(response.last_joined_rank)
 

@@ -37,7 +37,7 @@ and every rank gets the same result, so every rank knows the same things at the 
   joined ranks contribute as they always do).
 
 A rank that leaves while others still use their caches is announced by the coordinator
-(a ``CACHE_WAKE`` response with an error): the cache then stops for good, abandoning a
+(a ``RANK_LEFT`` response): the cache then stops for good, abandoning a
 cycle that can no longer complete, and its hits go to the coordinator, which fails them
 with the usual error naming the rank that left.
 
@@ -188,8 +188,10 @@ class ResponseCache:
         """
         op = response.op_type
         if op == pb.CACHE_WAKE:
-            self.wake(response.error_message if response.error_kind != pb.NO_ERROR else None)
-        elif op == pb.JOIN and response.last_joined_rank >= 0:
+            self.wake()
+        elif op == pb.RANK_LEFT:
+            self.wake(f"{response.departed} shut down")
+        elif op == pb.JOIN:
             self.join_completed()
         elif (op in (pb.ALLREDUCE, pb.BROADCAST) and response.error_kind == pb.NO_ERROR
               and response.process_set_id == 0 and not response.joined_ranks):
@@ -204,7 +206,8 @@ class ResponseCache:
             self._lock.notify()
 
     def wake(self, peer_left: Optional[str] = None) -> None:
-        """A ``CACHE_WAKE`` response came up in the coordinator's order (``peer_left``: its error)."""
+        """A ``CACHE_WAKE`` response came up in the coordinator's order (``peer_left``: a ``RANK_LEFT``
+        response, and why the cache stops)."""
         with self._lock:
             if peer_left is not None:
                 self.protocol.leave(peer_left)
