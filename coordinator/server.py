@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import threading
 import time
 from typing import Dict, Optional, Sequence, Set
@@ -318,8 +319,7 @@ class Coordinator:
         session.gone = True
         if self._needs(session):
             self._abort_job(pb.RANK_FAILED, f"{session.describe()} lost its connection to the coordinator "
-                            f"without shutting down: the process crashed, was killed or its host is gone",
-                            session.rank, session.hostname)
+                            f"without shutting down: {_why_a_stream_ended(session)}", session.rank, session.hostname)
         elif session.said_goodbye and self._sessions.get(session.rank) is session:
             del self._sessions[session.rank]
             if not self._sessions:
@@ -527,6 +527,39 @@ class Coordinator:
     def _host_of(self, rank: int) -> str:
         session = self._sessions.get(rank)
         return f"rank {rank} on {shown(session.hostname)}" if session else f"rank {rank}"
+
+
+def _why_a_stream_ended(session: RankSession) -> str:
+    """What a rank's stream ending without a goodbye says about the rank: its process is looked
+    up when it runs on this host, so that a live rank is never reported as dead."""
+    if session.hostname == socket.gethostname() and session.pid > 0:
+        alive = _process_runs(session.pid)
+        if alive is False:
+            return "its process has exited (it crashed or was killed)"
+        if alive:
+            return ("its process is still running, so the connection itself broke: gRPC keepalive pings went "
+                    "unanswered (a host too busy to answer for minutes, e.g. far more ranks than cores) or the "
+                    "network failed")
+    return "the process crashed, was killed or its host is gone"
+
+
+def _process_runs(pid: int, settle_s: float = 0.5) -> Optional[bool]:
+    """Whether process ``pid`` of this host runs (None: cannot tell). A dying process closes its
+    sockets before it is gone, so a process still there is watched for ``settle_s``."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return None
+        if state in ("Z", "X"):
+            return False  # exited, not yet reaped by its parent
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
 
 
 def _join_host_port(host: str, port: int) -> str:

@@ -41,6 +41,7 @@ def test_a_dying_rank_ends_the_job_within_30s(death, launcher):
         # Under plain mpirun, Open MPI kills the job and its output forwarding at once, so
         # only ringrun (whose coordinator writes to ringrun's own stderr) can promise this line.
         assert "rank 1 (host" in result.output and "lost its connection" in result.output, result.output[-3000:]
+        assert "its process has exited" in result.output, result.output[-3000:]  # looked up, not guessed
 
 
 @pytest.mark.timeout(90)
@@ -183,6 +184,7 @@ def test_a_dead_coordinator_is_reported_on_every_rank():
     lost = result.lines_starting("LOST")
     assert lost, result.output[-3000:]
     assert all("lost its connection to the ringmaster coordinator" in line for line in lost), result.output[-3000:]
+    assert all("a fresh connection got no answer" in line for line in lost), result.output[-3000:]
 
 
 @pytest.mark.timeout(90)

@@ -21,6 +21,9 @@ from ringmaster.worker.runtime.stack_dumps import print_stacks
 
 log = logging.getLogger("ringmaster.worker")
 
+#: How long a rank whose stream broke waits for the coordinator to answer a fresh connection.
+PROBE_TIMEOUT_S = 10.0
+
 ABORT_ERRORS = {
     pb.RANK_FAILED: RankFailedError,
     pb.STALLED: StalledTensorError,
@@ -122,12 +125,25 @@ class CoordinatorClient:
             else:
                 self._fail(CoordinatorUnreachableError(
                     f"rank {self.rank} lost its connection to the ringmaster coordinator at {self.address} "
-                    f"({error.code().name}: {error.details()}); the coordinator died or its host is unreachable"))
+                    f"({error.code().name}: {error.details()}); {self._why_the_stream_broke()}"))
             return
         if not self._closing:
             self._fail(CoordinatorUnreachableError(
                 f"rank {self.rank} lost its connection to the ringmaster coordinator at {self.address} "
                 f"(the stream ended); the coordinator died or its host is unreachable"))
+
+    def _why_the_stream_broke(self) -> str:
+        """Whether the coordinator still answers a fresh connection: a broken stream alone does
+        not say that it died (keepalive pings unanswered on an overloaded host break it too)."""
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                pb_grpc.CoordinatorStub(channel).Ping(pb.Empty(), metadata=self._metadata, timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return (f"the coordinator died or its host is unreachable (a fresh connection got no answer within "
+                    f"{PROBE_TIMEOUT_S:g} s)")
+        return ("the coordinator is alive (it answers a fresh connection), so the stream itself broke: keepalive "
+                "pings went unanswered for minutes, which a host with far more busy threads than cores can cause "
+                "(ringrun warns when ranks share cores)")
 
     def _fail(self, error: RingmasterError) -> None:
         if not self._welcome.is_set():
