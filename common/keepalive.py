@@ -12,6 +12,7 @@ never to count strikes, and the client interval is never below what the server a
 
 from __future__ import annotations
 
+import socket
 from typing import List, Tuple
 
 #: How often a rank pings its stream to the coordinator when nothing else moves on it.
@@ -21,6 +22,24 @@ PING_INTERVAL_MS = 10_000
 #: timeout. It is long because a coordinator on an overloaded host was seen not to answer
 #: for 30-50 s (8 ranks on 2 busy cores), and ranks then reported it dead while it was alive.
 PING_TIMEOUT_MS = 120_000
+
+
+#: The same for a coordinator on the rank's own host: one that dies resets its connections at
+#: once, and a host that vanished takes its ranks with it, so the timeout only has to outlast
+#: the longest time the host's scheduler may leave the coordinator without the CPU (up to
+#: 112 s seen, with the kernel logging "workqueue lockup"; docs/architecture.md).
+LOCAL_PING_TIMEOUT_MS = 1_200_000
+
+
+def timeout_for(address: str) -> int:
+    """The ping timeout of a rank's stream to the coordinator at ``address`` (``host:port``)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    local = {"localhost", "::1", socket.gethostname()}
+    try:
+        local.add(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    return LOCAL_PING_TIMEOUT_MS if host in local or host.startswith("127.") else PING_TIMEOUT_MS
 
 
 def client_options(interval_ms: int = PING_INTERVAL_MS, timeout_ms: int = PING_TIMEOUT_MS) -> List[Tuple[str, int]]:

@@ -36,6 +36,13 @@ class CacheStall:
     def missing_ranks(self) -> List[int]:
         return [rank for rank, _ in self.missing]
 
+    @property
+    def never_entered(self) -> bool:
+        """Whether some missing rank will never enter the cycle (it sleeps or has stopped its
+        cache): the ranks disagree. Missing ranks that are all awake will enter it once their
+        cache threads run: slow (an overloaded host), not stuck."""
+        return any(cycles.phase in ("dormant", "finished") for _, cycles in self.missing)
+
 
 class CacheStalls:
     """The latest cache report of every rank, and the stall they show.
@@ -75,6 +82,14 @@ class CacheStalls:
         in_it = sorted(rank for rank, cycles in fresh.items() if cycles.in_cycle and cycles.cycles_done + 1 == cycle)
         seconds = max(cycles.waiting_s for rank, cycles in waiting.items() if cycles.cycles_done + 1 == cycle)
         return CacheStall(cycle, seconds, in_it, missing)
+
+
+def describe_slow(stall: CacheStall, host_of) -> str:
+    """A stall whose missing ranks are all awake, in words: a warning, not an error."""
+    others = "; ".join(f"{host_of(rank)}: after cycle {cycles.cycles_done}" for rank, cycles in stall.missing)
+    return (f"ranks {stall.waiting_ranks} have waited {stall.seconds:.0f} s in response cache cycle {stall.cycle}, "
+            f"which ranks {stall.missing_ranks} have not entered yet although their caches are awake ({others}): "
+            f"their cache threads do not get the CPU (far more busy threads than cores?)")
 
 
 def describe(stall: CacheStall, host_of) -> str:

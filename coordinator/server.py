@@ -39,6 +39,7 @@ from ringmaster.coordinator.stall_report import in_set as _in_set
 from ringmaster.coordinator.stall_report import shutdown_reason, warning_lines
 from ringmaster.coordinator.cache_stalls import CacheStalls
 from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
+from ringmaster.coordinator.cache_stalls import describe_slow as describe_slow_cache_cycle
 from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown, tuning_problem
 from ringmaster.proto import ringmaster_pb2 as pb
 
@@ -89,6 +90,7 @@ class Coordinator:
         self._negotiator = self._new_negotiator()
         self._plan_stalls = self._new_plan_stalls()
         self._cache_stalls = CacheStalls(stale_after_s=3 * self.config.heartbeat_interval_s)
+        self._slow_cycle_warned = -1  # the last cache cycle warned about as slow (not stuck)
         self._sequence = 0
         self._cycle_time_ms = config.cycle_time_ms  # rank 0's autotuner may change it (_on_tuning)
         self._welcomed = False
@@ -468,18 +470,34 @@ class Coordinator:
             return
         for session in list(self._sessions.values()):
             if now - session.last_seen > self.config.heartbeat_timeout_s:
-                self._abort_job(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for "
-                                f"{now - session.last_seen:.0f} s (RINGMASTER_HEARTBEAT_TIMEOUT_S="
-                                f"{self.config.heartbeat_timeout_s:g}): it hangs or its host is unreachable",
+                silent_s = now - session.last_seen
+                state = _process_state(session) if session.pid > 0 else None
+                if state in _LIVE_STATES:
+                    # Its process runs: its threads do not get the CPU. The job goes on; the
+                    # stall warnings still name what waits for it.
+                    log.warning("%s sent no heartbeat for %.0f s, but its process is running (state %s): its "
+                                "threads do not get the CPU (far more busy threads than cores?); the job goes on",
+                                session.describe(), silent_s, state)
+                    session.last_seen = now
+                    continue
+                why = {"T": "it is stopped (SIGSTOP, or a debugger holds it)",
+                       "t": "it is stopped (SIGSTOP, or a debugger holds it)",
+                       "Z": "its process has exited", "X": "its process has exited",
+                       "gone": "its process has exited"}.get(state, "it hangs or its host is unreachable")
+                self._abort_job(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for {silent_s:.0f} s "
+                                f"(RINGMASTER_HEARTBEAT_TIMEOUT_S={self.config.heartbeat_timeout_s:g}): {why}",
                                 session.rank, session.hostname)
                 return
         if self.config.cache_stall_s > 0:
             cache_stall = self._cache_stalls.stall(self.size, self.config.cache_stall_s)
-            if cache_stall is not None:
+            if cache_stall is not None and cache_stall.never_entered:
                 self._abort_job(pb.STALLED, f"{describe_cache_stall(cache_stall, self._host_of)} "
                                 f"(RINGMASTER_CACHE_STALL_S={self.config.cache_stall_s:g})", -1,
                                 stalled_ranks=cache_stall.missing_ranks)
                 return
+            if cache_stall is not None and cache_stall.cycle != self._slow_cycle_warned:
+                self._slow_cycle_warned = cache_stall.cycle
+                log.warning("%s", describe_slow_cache_cycle(cache_stall, self._host_of))
         for line in warning_lines(self._stalls(self.config.stall_warning_s), self._host_of):
             log.warning("%s", line)
         for stall in self._plan_stalls.stalls(self.config.stall_warning_s, self._negotiator.set_ranks):
@@ -541,6 +559,24 @@ def _why_a_stream_ended(session: RankSession) -> str:
                     "unanswered (a host too busy to answer for minutes, e.g. far more ranks than cores) or the "
                     "network failed")
     return "the process crashed, was killed or its host is gone"
+
+
+#: Process states (``/proc/PID/stat``) of a process that runs, or waits to: not stopped, not exited.
+_LIVE_STATES = ("R", "S", "D", "I")
+
+
+def _process_state(session: RankSession) -> Optional[str]:
+    """The state letter of a rank's process on this host, "gone" if there is none, None when
+    the rank runs on another host (or this one cannot tell)."""
+    if session.hostname != socket.gethostname():
+        return None
+    try:
+        with open(f"/proc/{session.pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):
+        return None
 
 
 def _process_runs(pid: int, settle_s: float = 0.5) -> Optional[bool]:

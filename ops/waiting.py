@@ -35,6 +35,9 @@ EAGER_LONGEST_PAUSE_S = 40e-6
 #: How long :func:`impatiently` yields the core between tests before it sleeps.
 IMPATIENT_YIELD_S = 2e-3
 
+#: Whether this host runs more ranks than it has cores (see :func:`set_cores_shared`).
+_cores_shared = False
+
 #: Returns the error that ended the job on this rank, or None (see :func:`set_abort_check`).
 _abort_check: Optional[Callable[[], Optional[BaseException]]] = None
 
@@ -48,6 +51,28 @@ def set_abort_check(check: Optional[Callable[[], Optional[BaseException]]]) -> N
     """
     global _abort_check
     _abort_check = check
+
+
+def set_cores_shared(shared: bool) -> None:
+    """Tell the waits whether this host runs more ranks than it has cores.
+
+    Then no wait spins or yields the core: the rank it waits for needs that core, and on a
+    host whose cores are all taken by ranks that yield to one another, threads that sleep
+    (heartbeats, the coordinator, the response cache's thread) were seen not to be
+    scheduled for up to a minute (Linux 6.18, 8 ranks on 2 cores; docs/architecture.md,
+    "Overloaded hosts").
+    """
+    global _cores_shared
+    _cores_shared = shared
+
+
+def cores_shared(local_ranks: int) -> bool:
+    """Whether ``local_ranks`` ranks on this host are more than the cores this process may use."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return local_ranks > cores
 
 
 def abort_error() -> Optional[BaseException]:
@@ -103,11 +128,11 @@ def wait_for(request: MPI.Request, timeout_s: Optional[float]) -> None:
     if request.Test():
         return
     clock = time.perf_counter
-    spin_until = clock() + SPIN_S
+    spin_until = clock() + (0.0 if _cores_shared else SPIN_S)
     while clock() < spin_until:
         if request.Test():
             return
-    yield_s = getattr(_thread_policy, "yield_s", None)
+    yield_s = None if _cores_shared else getattr(_thread_policy, "yield_s", None)
     if yield_s:
         yield_until = clock() + yield_s
         while clock() < yield_until:

@@ -9,7 +9,7 @@ from coordinator_clients import job
 from mpijob import mpirun
 from test_coordinator_hostile import start  # noqa: F401 (the daemon fixture)
 
-from ringmaster.coordinator.cache_stalls import CacheStalls, describe
+from ringmaster.coordinator.cache_stalls import CacheStalls, describe, describe_slow
 from ringmaster.coordinator.validation import heartbeat_problem
 from ringmaster.proto import ringmaster_pb2 as pb
 
@@ -39,6 +39,18 @@ def test_ranks_waiting_in_a_cycle_that_others_never_entered_are_a_stall_naming_t
     assert "ranks [0, 2] have waited 12 s in cache cycle 42, which ranks [1, 3] never entered" in text
     assert "rank 1: dormant after cycle 40" in text and "rank 3: awake after cycle 41" in text
     assert "RINGMASTER_CACHE_CAPACITY=0" in text
+    assert stall.never_entered  # rank 1 sleeps: it will not enter the cycle
+
+
+def test_a_cycle_that_awake_ranks_have_not_entered_yet_is_slow_not_stuck():
+    stalls = CacheStalls(stale_after_s=3.0, clock=Clock())
+    stalls.report(0, cycles(41, waiting_s=12.0))
+    stalls.report(1, cycles(41, phase="awake"))  # its cache thread has not run: an overloaded host
+    stall = stalls.stall(size=2, older_than_s=10.0)
+    assert stall.missing_ranks == [1] and not stall.never_entered
+    text = describe_slow(stall, lambda rank: f"rank {rank}")
+    assert "ranks [0] have waited 12 s in response cache cycle 42" in text and "rank 1: after cycle 41" in text
+    assert "do not get the CPU" in text
 
 
 @pytest.mark.parametrize("reports,why", [

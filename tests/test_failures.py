@@ -128,6 +128,30 @@ def test_a_hung_rank_is_detected_by_missing_heartbeats():
     assert result.returncode != 0
     assert seconds < 30
     assert "FAILED" in result.stdout and "rank 1" in result.stdout and "heartbeat" in result.stdout
+    assert "it is stopped (SIGSTOP" in result.stdout  # its process was looked up: frozen, not gone
+
+
+@pytest.mark.timeout(90)
+def test_a_live_rank_whose_threads_get_no_cpu_is_not_declared_dead(tmp_path):
+    """A rank that sends no heartbeat while its process runs (here its gRPC threads are made to
+    wait: the same as on a host whose scheduler does not run them) gets a warning, and the job
+    goes on: "sent no heartbeat" ends a job only for a process that is stopped or gone."""
+    result, _ = run_timed(2, """
+        import time, torch, ringmaster as rm
+        from ringmaster.worker.runtime.current import runtime
+        rm.init()
+        rm.allreduce(torch.ones(1), name="before")
+        if rm.rank() == 1:
+            outbox = runtime().outbox
+            with outbox._condition:  # the sending thread cannot take a message for 5 s
+                time.sleep(5)
+        rm.allreduce(torch.ones(1), name="after")
+        print("DONE", rm.rank(), flush=True)
+        rm.shutdown()
+    """, env={"RINGMASTER_HEARTBEAT_TIMEOUT_S": "2", "RINGMASTER_HEARTBEAT_INTERVAL_S": "0.5"}, timeout=80,
+        launcher=ringrun)
+    assert result.returncode == 0 and len(result.lines_starting("DONE")) == 2, result.output[-3000:]
+    assert "but its process is running" in result.output, result.output[-3000:]
 
 
 @pytest.mark.timeout(60)
@@ -239,3 +263,23 @@ def test_sigusr1_to_ringrun_makes_every_rank_print_its_stacks_and_the_job_goes_o
     assert process.returncode == 0, stdout + stderr
     assert stdout.count("DONE") == 2, stdout + stderr
     assert stderr.count("in waiting_in_a_function_of_its_own") == 2, stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_waiting_in_a_long_collective_keeps_sending_heartbeats():
+    """"Sent no heartbeat" must mean frozen or gone: a rank whose training loop waits in a
+    blocking mpi4py collective far longer than the heartbeat timeout is not declared dead."""
+    result, _ = run_timed(2, """
+        import time, torch, ringmaster as rm
+        from mpi4py import MPI
+        rm.init()
+        rm.allreduce(torch.ones(1), name="before")
+        if rm.rank() == 1:
+            time.sleep(8)  # rank 0 waits in Barrier meanwhile: 8 s against a 3 s heartbeat timeout
+        MPI.COMM_WORLD.Barrier()
+        rm.allreduce(torch.ones(1), name="after")
+        print("DONE", rm.rank(), flush=True)
+        rm.shutdown()
+    """, timeout=100, env={"RINGMASTER_HEARTBEAT_INTERVAL_S": "0.5", "RINGMASTER_HEARTBEAT_TIMEOUT_S": "3"})
+    assert result.returncode == 0 and len(result.lines_starting("DONE")) == 2, result.output[-3000:]
+    assert "sent no heartbeat" not in result.output

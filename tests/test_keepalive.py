@@ -78,3 +78,14 @@ def test_a_silent_stream_survives_many_ping_intervals_with_the_coordinators_opti
     finally:
         server.stop(0)
 
+
+
+@pytest.mark.parametrize("address,local", [("127.0.0.1:5000", True), ("localhost:5000", True), ("[::1]:5000", True),
+                                           (f"{__import__('socket').gethostname()}:5000", True),
+                                           ("10.255.255.1:5000", False), ("trainer-7.cluster:5000", False)])
+def test_a_coordinator_on_the_ranks_own_host_gets_the_long_ping_timeout(address, local):
+    """A local coordinator that dies resets its connections at once: its ranks need no short
+    timeout, and a long one survives a host whose scheduler starves the coordinator."""
+    expected = keepalive.LOCAL_PING_TIMEOUT_MS if local else keepalive.PING_TIMEOUT_MS
+    assert keepalive.timeout_for(address) == expected
+    assert keepalive.LOCAL_PING_TIMEOUT_MS > keepalive.PING_TIMEOUT_MS

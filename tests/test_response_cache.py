@@ -6,7 +6,7 @@ import pathlib
 import re
 
 import pytest
-from mpijob import mpirun
+from mpijob import mpirun, ringrun
 
 JOB = (pathlib.Path(__file__).parent / "jobs" / "response_cache.py").read_text()
 
@@ -171,3 +171,21 @@ def test_the_timeline_shows_collectives_run_from_the_cache(tmp_path):
     for rank in range(2):
         text = (tmp_path / f"timeline.{rank}.json").read_text()
         assert "NEGOTIATE_ALLREDUCE" in text and "CACHED_ALLREDUCE" in text, text[:2000]
+
+
+STRESS = (pathlib.Path(__file__).parent / "jobs" / "cache_stress.py").read_text()
+
+
+@pytest.mark.timeout(420)
+def test_eight_ranks_with_uneven_pacing_and_switches_never_hang():
+    """8 ranks on however few cores: named small collectives in rank-specific orders, pauses
+    around the dormancy delay, mpi4py collectives between steps, each rank switching its cache
+    on its own; three jobs in a row, each under a deadline, every result exact."""
+    for attempt in range(3):
+        result = ringrun(8, STRESS, timeout=120, args=["12", "8"])
+        failures = [line for line in result.output.splitlines() if line.startswith("FAIL")]
+        assert not failures, "\n".join(failures[:20])
+        done = result.lines_starting("DONE")
+        assert result.returncode == 0 and len(done) == 8, f"job {attempt + 1}: {result.output[-4000:]}"
+        assert all(line.split()[3] == "0" for line in done), done
+        assert sum(int(line.split()[2]) for line in done) > 0, done  # the cache was used

@@ -63,8 +63,9 @@ class CoordinatorClient:
         self._welcome_message: Optional[pb.Welcome] = None
         self._start_error: Optional[RingmasterError] = None
         self._closing = False
-        self._channel = grpc.insecure_channel(address, options=keepalive.client_options()
-                                              + grpc_options(max_message_bytes))
+        self._channel = grpc.insecure_channel(
+            address, options=keepalive.client_options(timeout_ms=keepalive.timeout_for(address))
+            + grpc_options(max_message_bytes))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._metadata = call_metadata(secret)
         self._call = None

@@ -75,6 +75,7 @@ class Runtime:
         if self.cache is not None:
             self.cache.start()
         waiting.set_abort_check(lambda: self.fatal_error)
+        waiting.set_cores_shared(waiting.cores_shared(self.local_size))
         try:
             self.welcome = self.client.connect(config.start_timeout_s)
         except RingmasterError:
