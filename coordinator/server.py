@@ -174,7 +174,7 @@ class Coordinator:
         """Every message of one stream, handled as it arrives."""
         try:
             async for raw in request_iterator:
-                session.last_seen = time.monotonic()
+                session.last_seen, session.silent_since = time.monotonic(), None
                 self._receive(session, raw)
                 if session.gone or session.closing:
                     return
@@ -471,13 +471,25 @@ class Coordinator:
         for session in list(self._sessions.values()):
             if now - session.last_seen > self.config.heartbeat_timeout_s:
                 silent_s = now - session.last_seen
+                if session.silent_since is not None:
+                    silent_s = now - session.silent_since
                 state = _process_state(session) if session.pid > 0 else None
+                limit_s = LIVE_SILENCE_FACTOR * self.config.heartbeat_timeout_s
+                if state in _LIVE_STATES and silent_s > limit_s:
+                    self._abort_job(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for {silent_s:.0f} s "
+                                    f"although its process runs (state {state}): none of its Python threads has run "
+                                    f"for that long, so one holds the GIL in a call that does not return (or the "
+                                    f"host never schedules them); the limit is {LIVE_SILENCE_FACTOR} x "
+                                    f"RINGMASTER_HEARTBEAT_TIMEOUT_S", session.rank, session.hostname)
+                    return
                 if state in _LIVE_STATES:
-                    # Its process runs: its threads do not get the CPU. The job goes on; the
-                    # stall warnings still name what waits for it.
-                    log.warning("%s sent no heartbeat for %.0f s, but its process is running (state %s): its "
-                                "threads do not get the CPU (far more busy threads than cores?); the job goes on",
-                                session.describe(), silent_s, state)
+                    # Its process runs: its threads do not get the CPU. The job goes on (one
+                    # warning per silence) until the limit above.
+                    if session.silent_since is None:
+                        session.silent_since = session.last_seen
+                        log.warning("%s sent no heartbeat for %.0f s, but its process is running (state %s): its "
+                                    "threads do not get the CPU (far more busy threads than cores?); the job goes on "
+                                    "for up to %.0f s", session.describe(), silent_s, state, limit_s)
                     session.last_seen = now
                     continue
                 why = {"T": "it is stopped (SIGSTOP, or a debugger holds it)",
@@ -560,6 +572,11 @@ def _why_a_stream_ended(session: RankSession) -> str:
                     "network failed")
     return "the process crashed, was killed or its host is gone"
 
+
+#: A rank on the coordinator's host whose process runs but that sends nothing is waited for this
+#: many heartbeat timeouts (a host can starve threads for minutes, docs/architecture.md), then
+#: the job ends: its threads are not merely slow.
+LIVE_SILENCE_FACTOR = 5
 
 #: Process states (``/proc/PID/stat``) of a process that runs, or waits to: not stopped, not exited.
 _LIVE_STATES = ("R", "S", "D", "I")

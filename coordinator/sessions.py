@@ -38,6 +38,7 @@ class RankSession:
         self.closing = False  # refused: nothing more it sends is read
         self.gone = False     # its stream has ended (or the job was aborted)
         self.opened = self.last_seen = time.monotonic()
+        self.silent_since: Optional[float] = None  # silent past the heartbeat timeout, its process running
         self.unread_bytes = 0  # of messages queued for this stream that gRPC has not taken yet
 
     def describe(self) -> str:

@@ -283,3 +283,23 @@ def test_a_rank_waiting_in_a_long_collective_keeps_sending_heartbeats():
     """, timeout=100, env={"RINGMASTER_HEARTBEAT_INTERVAL_S": "0.5", "RINGMASTER_HEARTBEAT_TIMEOUT_S": "3"})
     assert result.returncode == 0 and len(result.lines_starting("DONE")) == 2, result.output[-3000:]
     assert "sent no heartbeat" not in result.output
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_whose_python_threads_never_run_again_ends_the_job_naming_the_gil():
+    """Rank 1 waits in mpi4py's pickle-based allreduce, which holds the GIL, for a rank 0 that
+    never joins it: rank 1's process runs, but none of its threads can send a heartbeat. It is
+    given 5 heartbeat timeouts (a busy host may starve threads that long), then the job ends."""
+    result, seconds = run_timed(2, """
+        import torch, ringmaster as rm
+        from mpi4py import MPI
+        rm.init()
+        rm.allreduce(torch.ones(1), name="before")
+        if rm.rank() == 1:
+            MPI.COMM_WORLD.allreduce(1)  # rank 0 never calls it
+        rm.allreduce(torch.ones(1), name="after")  # rank 0 waits here until the job ends
+    """, env={"RINGMASTER_HEARTBEAT_TIMEOUT_S": "1", "RINGMASTER_HEARTBEAT_INTERVAL_S": "0.25"}, timeout=80,
+        launcher=ringrun)
+    assert result.returncode != 0
+    assert seconds < 40, f"took {seconds:.0f} s"
+    assert "rank 1 (host" in result.output and "holds the GIL" in result.output, result.output[-3000:]

@@ -42,7 +42,7 @@ _name_counters = defaultdict(itertools.count)
 _name_lock = threading.Lock()
 
 
-def _auto_name(kind: str, name: Optional[str], process_set_id: int = 0) -> str:
+def auto_name(kind: str, name: Optional[str], process_set_id: int = 0) -> str:
     """``name``, or the next ``kind.noname.N``; N counts per process set, so that ranks
     agree on the names of a set's unnamed collectives whatever other sets they are in."""
     if name is not None:
@@ -127,10 +127,16 @@ def _submit_or_release(state, handle, entries, requests, flush: bool) -> None:
 
 
 # ----------------------------------------------------------------- allreduce
-def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, prescale_factor,
-                       postscale_factor, in_place: bool, what: str, single: bool, flush: bool = False,
-                       process_set: ProcessSet = global_process_set, wire_format: str = "") -> int:
-    """Submit an allreduce of ``tensors``; ``wire_format`` ("int8", "linear8") makes the ring move 8-bit codes."""
+def submit_allreduce(tensors: Sequence[torch.Tensor], *, what: str, single: bool, in_place: bool = False,
+                     average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     flush: bool = False, process_set: ProcessSet = global_process_set, wire_format: str = "") -> int:
+    """Submit an allreduce of ``tensors`` for the frontend's calls; returns the handle.
+
+    ``what`` names the calling API in errors; ``single``: one tensor, one result (otherwise a
+    group with a list of results); ``in_place``: the results are written into ``tensors``;
+    ``flush``: the caller waits next; ``wire_format`` ("int8", "linear8") makes the ring move
+    8-bit codes. The other arguments are those of :func:`allreduce_async`.
+    """
     op = _resolve_op(average, op, what)
     if wire_format and op not in (Average, Sum):
         raise ValueError(f"{what}: the {wire_format} wire format reduces with op=Average or op=Sum, not "
@@ -149,7 +155,7 @@ def _grouped_allreduce(tensors: Sequence[torch.Tensor], average, name, op, presc
             _check_writable(data, what)
             output, copy_back = source, (None if source is data else data)
         prepared.append((tensor, source, output, copy_back))
-    base = _auto_name(what.rstrip("_").replace("_async", ""), name, set_id)
+    base = auto_name(what.rstrip("_").replace("_async", ""), name, set_id)
     handle = state.handles.new(base, parts=len(tensors), as_list=not single)
     group = "" if single else base
     prescale_factor, postscale_factor = float(prescale_factor), float(postscale_factor)
@@ -182,8 +188,9 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     With ``process_set``, only its members call it and reduce together; ``Average``
     divides by the set's size.
     """
-    return _grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
-                              False, "allreduce_async", single=True, process_set=process_set)
+    return submit_allreduce([tensor], what="allreduce_async", single=True, average=average, name=name, op=op,
+                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                            process_set=process_set)
 
 
 def _tensor_compressor(compression, what: str):
@@ -203,37 +210,42 @@ def _tensor_compressor(compression, what: str):
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set):
     """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
-    return _grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
-                              True, "allreduce_async_", single=True, process_set=process_set)
+    return submit_allreduce([tensor], what="allreduce_async_", single=True, in_place=True, average=average,
+                            name=name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                            process_set=process_set)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """In-place :func:`allreduce`; returns ``tensor``."""
-    return synchronize(_grouped_allreduce([tensor], average, name, op, prescale_factor, postscale_factor,
-                                          True, "allreduce_", single=True, flush=True, process_set=process_set))
+    return synchronize(submit_allreduce([tensor], what="allreduce_", single=True, in_place=True, flush=True,
+                                        average=average, name=name, op=op, prescale_factor=prescale_factor,
+                                        postscale_factor=postscale_factor, process_set=process_set))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set):
     """Allreduce a list of tensors as one group (negotiated and fused together); one handle."""
-    return _grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                              False, "grouped_allreduce_async", single=False, process_set=process_set)
+    return submit_allreduce(list(tensors), what="grouped_allreduce_async", single=False, average=average,
+                            name=name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                            process_set=process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`grouped_allreduce_async`."""
-    return _grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                              True, "grouped_allreduce_async_", single=False, process_set=process_set)
+    return submit_allreduce(list(tensors), what="grouped_allreduce_async_", single=False, in_place=True,
+                            average=average, name=name, op=op, prescale_factor=prescale_factor,
+                            postscale_factor=postscale_factor, process_set=process_set)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
     """In-place :func:`grouped_allreduce`; returns the list of tensors."""
-    return synchronize(_grouped_allreduce(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                                          True, "grouped_allreduce_", single=False, flush=True,
-                                          process_set=process_set))
+    return synchronize(submit_allreduce(list(tensors), what="grouped_allreduce_", single=False, in_place=True,
+                                        flush=True, average=average, name=name, op=op,
+                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                        process_set=process_set))
 
 
 # ----------------------------------------------------- data-moving collectives
@@ -243,7 +255,7 @@ def _submit_single(kind: str, op_type: int, tensor, name, output=None, copy_back
     state = runtime()
     set_id = member_set(process_set, kind).process_set_id
     data = _check_tensor(tensor, kind)
-    name = _auto_name(kind, name, set_id)
+    name = auto_name(kind, name, set_id)
     source = data if data.is_contiguous() else data.contiguous()
     handle = state.handles.new(name, finish=finish)
     entry = Entry(name, op_type, source, handle, output=output, copy_back=copy_back, returns=returns,
@@ -270,7 +282,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
     return synchronize(allgather_async(tensor, name, process_set))
 
 
-def _check_root(root_rank, what: str, process_set: ProcessSet = global_process_set) -> int:
+def check_root(root_rank, what: str, process_set: ProcessSet = global_process_set) -> int:
+    """``root_rank`` if it is a rank of ``process_set`` (a global rank); else a ValueError naming ``what``."""
     if process_set is global_process_set:
         size = runtime().size
         if not isinstance(root_rank, int) or not 0 <= root_rank < size:
@@ -288,7 +301,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     ``root_rank`` is a global rank (as :func:`rank` returns it), also with ``process_set``,
     where it must be one of the set's ranks (Horovod's convention).
     """
-    _check_root(root_rank, "broadcast", member_set(process_set, "broadcast"))
+    check_root(root_rank, "broadcast", member_set(process_set, "broadcast"))
     output = torch.empty_like(_check_tensor(tensor, "broadcast"), memory_format=torch.contiguous_format)
     return _submit_single("broadcast", pb.BROADCAST, tensor, name, output=output, root_rank=root_rank,
                           process_set=process_set)
@@ -301,7 +314,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """In-place :func:`broadcast_async`: ``tensor`` is overwritten with the root's."""
-    _check_root(root_rank, "broadcast_", member_set(process_set, "broadcast_"))
+    check_root(root_rank, "broadcast_", member_set(process_set, "broadcast_"))
     data = _check_tensor(tensor, "broadcast_")
     _check_writable(data, "broadcast_")
     output, copy_back = _in_place_output(data)
@@ -387,7 +400,7 @@ def _submit_grouped(kind: str, op_type: int, tensors, name, process_set: Process
         if check is not None:
             check(data)
         sources.append(data if data.is_contiguous() else data.contiguous())
-    base = _auto_name(kind, name, set_id)
+    base = auto_name(kind, name, set_id)
     handle = state.handles.new(base, parts=len(sources), as_list=True)
     entries, requests = [], []
     for index, source in enumerate(sources):
@@ -437,10 +450,10 @@ def grouped_reducescatter(tensors, name=None, op=Average, prescale_factor=1.0, p
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank (every member of ``process_set``) has called barrier()."""
     set_id = member_set(process_set, "barrier").process_set_id
-    synchronize(_barrier_async(_auto_name("barrier", None, set_id), set_id))
+    synchronize(submit_barrier(auto_name("barrier", None, set_id), set_id))
 
 
-def _barrier_async(name: str, set_id: int) -> int:
+def submit_barrier(name: str, set_id: int) -> int:
     """Submit a barrier named ``name``; its handle id (a gradient plan runs at a barrier of its name)."""
     state = runtime()
     handle = state.handles.new(name)

@@ -46,9 +46,9 @@ def _tracks_grad(tensors: Sequence) -> bool:
 # ----------------------------------------------------------------- allreduce
 def _allreduce_now(tensors, single: bool, average, name, op, prescale, postscale, process_set, wire_format=""):
     what = "allreduce" if single else "grouped_allreduce"
-    result = c.synchronize(c._grouped_allreduce(list(tensors), average, name, op, prescale, postscale, False, what,
-                                                single=single, flush=True, process_set=process_set,
-                                                wire_format=wire_format))
+    result = c.synchronize(c.submit_allreduce(list(tensors), what=what, single=single, flush=True, average=average,
+                                              name=name, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                                              process_set=process_set, wire_format=wire_format))
     return [result] if single else result
 
 

@@ -56,8 +56,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     is a global rank.
     """
     state = runtime()
-    collectives._check_root(root_rank, "broadcast_object")
-    base = collectives._auto_name("broadcast_object", name, member_set(process_set, "broadcast_object").process_set_id)
+    collectives.check_root(root_rank, "broadcast_object")
+    base = collectives.auto_name("broadcast_object", name, member_set(process_set, "broadcast_object").process_set_id)
     payload, problem = _dumps(obj) if state.rank == root_rank else (b"", None)
     # A length of -1 tells the other ranks the root could not pickle: all raise, none waits.
     length = torch.tensor([-1 if problem else len(payload)], dtype=torch.int64)
@@ -81,7 +81,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessS
     The list is indexed by rank, or with ``process_set`` by position in ``process_set.ranks``.
     """
     members = member_set(process_set, "allgather_object")
-    base = collectives._auto_name("allgather_object", name, members.process_set_id)
+    base = collectives.auto_name("allgather_object", name, members.process_set_id)
     pickled, problem = _dumps(obj)
     payload = torch.frombuffer(bytearray(pickled), dtype=torch.uint8) if pickled else torch.empty(0, dtype=torch.uint8)
     sizes = collectives.allgather(torch.tensor([-1 if problem else payload.numel()], dtype=torch.int64),
@@ -125,7 +125,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     state = runtime()
-    is_root = state.rank == collectives._check_root(root_rank, "broadcast_optimizer_state")
+    is_root = state.rank == collectives.check_root(root_rank, "broadcast_optimizer_state")
     _create_state(optimizer)
     # A model-parallel shard's state (its momentum) is this rank's: it stays.
     own = {p: optimizer.state[p] for group in optimizer.param_groups for p in group["params"]

@@ -209,7 +209,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._plan.runs_ahead():  # no negotiation: the buckets go over the plan's own communicator
                 self._plan.finish(lambda: runtime().fatal_error)
             else:  # the plan's first run, on the background thread at its request's place in the order
-                collectives.synchronize(collectives._barrier_async(self._plan.request_name,
+                collectives.synchronize(collectives.submit_barrier(self._plan.request_name,
                                                                    self._process_set.process_set_id))
         finally:
             self._plan_step_open = False
@@ -240,9 +240,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return self._sparsify_async(p, name, grad)
         compressed, ctx = self._compress(grad)
         prescale, postscale = self._scaling()
-        handle = collectives._grouped_allreduce(
-            [compressed], None, name, self._op, prescale, postscale, True, "DistributedOptimizer", single=True,
-            process_set=self._process_set, wire_format=wire_format(self._compression, compressed))
+        handle = collectives.submit_allreduce(
+            [compressed], what="DistributedOptimizer", single=True, in_place=True, name=name, op=self._op,
+            prescale_factor=prescale, postscale_factor=postscale, process_set=self._process_set,
+            wire_format=wire_format(self._compression, compressed))
         return handle, ctx, compressed
 
     def _compress(self, grad: torch.Tensor):
@@ -279,9 +280,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads.append(compressed)
             contexts.append(ctx)
         prescale, postscale = self._scaling()
-        handle = collectives._grouped_allreduce(
-            grads, None, f"{_NAME_PREFIX}group.{group}", self._op, prescale, postscale, True,
-            "DistributedOptimizer", single=False, process_set=self._process_set,
+        handle = collectives.submit_allreduce(
+            grads, what="DistributedOptimizer", single=False, in_place=True, name=f"{_NAME_PREFIX}group.{group}",
+            op=self._op, prescale_factor=prescale, postscale_factor=postscale, process_set=self._process_set,
             wire_format=wire_format(self._compression, grads[0]))
         self._group_ready.pop(group, None)
         for p, ctx, compressed in zip(members, contexts, grads):

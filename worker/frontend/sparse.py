@@ -41,7 +41,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
                         f"use allreduce_async for dense tensors")
     state = runtime()
     members = member_set(process_set, "sparse_allreduce_async")
-    base = collectives._auto_name("sparse_allreduce", name, members.process_set_id)
+    base = collectives.auto_name("sparse_allreduce", name, members.process_set_id)
     # Allgather concatenates along the first dimension, so indices travel transposed (nnz, ndim).
     indices = collectives.allgather_async(tensor._indices().t().contiguous(), name=f"{base}.indices",
                                           process_set=process_set)

@@ -270,6 +270,12 @@ class ResponseCache:
                         return
                 try:
                     self._flush = False
+                    # The thread's cycle may have run this caller's hit. A cycle it does not need
+                    # would wait for every rank, and a rank that has moved on may hold its GIL in
+                    # a blocking call (mpi4py's pickle-based comm.allreduce does), so that its
+                    # cache thread can never enter the cycle: a deadlock (docs/architecture.md).
+                    if done():
+                        return
                     self._guarded_cycle(urgent=True)
                 finally:
                     self._driver.release()
