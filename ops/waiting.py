@@ -56,11 +56,11 @@ def set_abort_check(check: Optional[Callable[[], Optional[BaseException]]]) -> N
 def set_cores_shared(shared: bool) -> None:
     """Tell the waits whether this host runs more ranks than it has cores.
 
-    Then no wait spins or yields the core: the rank it waits for needs that core, and on a
-    host whose cores are all taken by ranks that yield to one another, threads that sleep
-    (heartbeats, the coordinator, the response cache's thread) were seen not to be
-    scheduled for up to a minute (Linux 6.18, 8 ranks on 2 cores; docs/architecture.md,
-    "Overloaded hosts").
+    Then no wait spins or yields the core: the rank it waits for needs that core, and so do
+    the threads that must answer for this one (heartbeats, the coordinator, the response
+    cache's thread), which a host with every core busy was seen to leave unscheduled for up
+    to a minute (Linux 6.18, 8 ranks on 2 cores; docs/architecture.md, "Overloaded hosts and
+    a held GIL").
     """
     global _cores_shared
     _cores_shared = shared
