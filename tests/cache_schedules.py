@@ -67,6 +67,10 @@ class Rank:
     thread_ended: bool = False
     joined: bool = False                     # waiting for the JOIN response
     join_submitted: bool = False
+    caller_waits_on: Optional[str] = None    # the training thread saw this hit pending and will drive a cycle
+    caller_in_cycle: bool = False            # the training thread itself waits in the current cycle
+    holds_gil: bool = False                  # in a blocking call that holds the GIL: no other thread runs
+    gil_calls: int = 0                       # such calls entered (mpi4py's pickle-based allreduce)
     gone: bool = False                       # said goodbye: the process has exited
 
     @property
@@ -77,8 +81,9 @@ class Rank:
 class World:
     """Ranks, the coordinator's event log and the cycles of one schedule."""
 
-    def __init__(self, size: int, seed: int, capacity: int, steps: int):
+    def __init__(self, size: int, seed: int, capacity: int, steps: int, caller_rechecks: bool = True):
         self.size = size
+        self.caller_rechecks = caller_rechecks  # False: the driver rule before the fix (see _drive_cycle)
         self.seed = seed
         self.rng = random.Random(seed)
         self.now = 0.0
@@ -99,6 +104,7 @@ class World:
         rng = random.Random(self.seed * 1000 + 7)  # the steps' names: the same on every rank
         plan = [rng.sample(NAMES, rng.randint(1, 3)) for _ in range(steps)]
         everyone_joins = rng.random() < 0.3  # join() at the end, as every rank must once one joins
+        gil_after = [rng.random() < 0.5 for _ in range(steps)]  # a plain mpi4py collective between steps
         own = random.Random(self.seed * 1000 + rank)
         script: List[tuple] = []
         joins_early = everyone_joins and own.random() < 0.3
@@ -108,6 +114,8 @@ class World:
             if own.random() < 0.1:
                 script.append(("switch",))
             script.append(("step", tuple(own.sample(names, len(names)))))
+            if not everyone_joins and gil_after[number]:
+                script.append(("gil_allreduce",))
         if everyone_joins:
             script.append(("join",))
         script.append(("close",))
@@ -150,6 +158,10 @@ class World:
             if rank.gone:
                 continue
             r = rank.rank
+            if rank.holds_gil:  # none of its threads runs until every rank is in the call
+                if all(other.gil_calls >= rank.gil_calls for other in self.ranks):
+                    enabled.append(("script", r))
+                continue
             if rank.delivered < len(self.events):
                 enabled.append(("deliver", r))
             if not rank.thread_ended and rank.in_cycle is None and self._thread_would_act(rank):
@@ -159,7 +171,48 @@ class World:
                 enabled.append(("finish_cycle", r))
             if self._script_can_go_on(rank):
                 enabled.append(("script", r))
+            if rank.caller_waits_on is None and self._caller_would_drive(rank):
+                enabled.append(("drive_check", r))
+            if rank.caller_waits_on is not None and rank.in_cycle is None:
+                enabled.append(("drive_cycle", r))
+            if rank.caller_waits_on is not None and rank.in_cycle is not None and not rank.caller_in_cycle:
+                enabled.append(("drive_gives_up", r))  # the thread held the driver lock for WITHDRAW_AFTER_S
         return enabled
+
+    def _caller_would_drive(self, rank: Rank) -> bool:
+        """The training thread waits on a hit of its step: it runs cycles itself (``drive``)."""
+        op = rank.busy_with
+        return (op is not None and op[0] == "step" and rank.submitted == len(op[1])
+                and any(rank.handles[name] == "hit" for name in op[1]) and rank.protocol.has_hits()
+                and rank.protocol.phase.cycles)
+
+    def _drive_check(self, rank: Rank) -> None:
+        """``drive()`` looked: its handle is not done; it waits for the driver lock."""
+        rank.caller_waits_on = next(name for name in rank.busy_with[1] if rank.handles[name] == "hit")
+
+    def _drive_gives_up(self, rank: Rank) -> None:
+        """``drive()`` did not get the driver lock in time: the caller waits on its handle instead."""
+        rank.caller_waits_on = None
+
+    def _drive_cycle(self, rank: Rank) -> None:
+        """``drive()`` has the driver lock: it runs a cycle only while the vector it makes holds
+        its hit (the hit may have run in the thread's cycle meanwhile, or be withdrawn by this
+        very vector as stale). ``caller_rechecks=False`` plays the rule before the fix: a
+        caller that had seen its hit pending ran the cycle whatever happened meanwhile."""
+        name, rank.caller_waits_on = rank.caller_waits_on, None
+        if not rank.protocol.phase.cycles:
+            return
+        if not self.caller_rechecks:
+            self._enter_cycle(rank)
+            rank.caller_in_cycle = True
+            return
+        if rank.handles[name] != "hit":
+            return
+        vector = rank.protocol.vector(self.now)
+        self._send_withdrawn(rank)
+        if rank.handles[name] == "hit":
+            self._enter_cycle(rank, vector)
+            rank.caller_in_cycle = True
 
     def _thread_would_act(self, rank: Rank) -> bool:
         protocol = rank.protocol
@@ -170,8 +223,8 @@ class World:
 
     def _script_can_go_on(self, rank: Rank) -> bool:
         op = rank.busy_with
-        if op is None:
-            return False
+        if op is None or rank.caller_in_cycle or rank.caller_waits_on is not None:
+            return False  # the training thread is inside drive()
         if op[0] == "step":
             if rank.submitted < len(op[1]):
                 return True
@@ -241,20 +294,25 @@ class World:
             if protocol.wake_needed():
                 self.events.append(("wake",))
         else:
-            vector = protocol.vector(self.now)
+            self._enter_cycle(rank)
+
+    def _enter_cycle(self, rank: Rank, vector: Optional[np.ndarray] = None) -> None:
+        if vector is None:
+            vector = rank.protocol.vector(self.now)
             self._send_withdrawn(rank)
-            number = rank.cycles_entered
-            rank.cycles_entered += 1
-            entered = self.cycles.setdefault(number, {})
-            for other in entered.values():
-                if len(other) != len(vector):
-                    raise self.failure(f"rank {rank.rank} entered cycle {number} with {len(vector)} fields, "
-                                       f"another rank with {len(other)}: their slot tables differ")
-            entered[rank.rank] = vector
-            rank.in_cycle = number
+        number = rank.cycles_entered
+        rank.cycles_entered += 1
+        entered = self.cycles.setdefault(number, {})
+        for other in entered.values():
+            if len(other) != len(vector):
+                raise self.failure(f"rank {rank.rank} entered cycle {number} with {len(vector)} fields, "
+                                   f"another rank with {len(other)}: their slot tables differ")
+        entered[rank.rank] = vector
+        rank.in_cycle = number
 
     def _finish_cycle(self, rank: Rank) -> None:
         number, rank.in_cycle = rank.in_cycle, None
+        rank.caller_in_cycle = False
         entered = self.cycles[number]
         if len(entered) < self.size:
             return  # abandoned: a rank left (the next step ends the thread)
@@ -290,6 +348,12 @@ class World:
             rank.submitted = 0
         elif op[0] == "switch":
             protocol.enabled = not protocol.enabled
+        elif op[0] == "gil_allreduce":
+            if not rank.holds_gil:
+                rank.holds_gil = True
+                rank.gil_calls += 1
+                return
+            rank.holds_gil = False  # every rank is in it: it returns
         elif op[0] == "join":
             if not rank.join_submitted:
                 protocol.request_join()

@@ -8,6 +8,7 @@ wait for that rank for ever (seen as 8-rank jobs hanging in ``bench/small_collec
 
 import threading
 import time
+import types
 
 import pytest
 from mpi4py import MPI
@@ -38,10 +39,11 @@ def test_a_caller_whose_hit_ran_in_the_threads_cycle_starts_no_cycle():
     comm = CountingComm()
     cache = ResponseCache(comm, IdleExecutor(), 4, 1 << 20, 0.001, negotiate=lambda requests: None,
                           on_fatal=lambda error: None)  # its thread is not started: the test plays it
-    cache.protocol.pending[0] = Hit(entry="weights", requests=[], since=time.monotonic())
     ran = threading.Event()
+    handle = types.SimpleNamespace(done=ran.is_set)
+    cache.protocol.pending[0] = Hit(entry=types.SimpleNamespace(handle=handle), requests=[], since=time.monotonic())
     cache._driver.acquire()  # the cache's thread is running a cycle
-    caller = threading.Thread(target=cache.drive, args=(ran.is_set,))
+    caller = threading.Thread(target=cache.drive, args=(handle,))
     caller.start()
     time.sleep(0.2)          # the caller waits for that cycle to end
     ran.set()                # the cycle ran the caller's hit

@@ -289,6 +289,17 @@ class CacheProtocol:
     def has_hits(self) -> bool:
         return bool(self.pending or self.waiting)
 
+    def holds(self, handle) -> bool:
+        """Whether a hit of ``handle`` (its entry's handle) is pending or waiting here.
+
+        A training thread runs a cycle only while this is true when its vector is made: then
+        every other rank still needs that collective (as a hit, or negotiated, which waits for
+        this rank's request), so none has moved on to a call that could keep its cache thread
+        from entering the cycle (docs/architecture.md, "Every rank in the same cycles").
+        """
+        return (any(hit.entry.handle is handle for hit in self.pending.values())
+                or any(hit.entry.handle is handle for hits in self.waiting.values() for hit in hits))
+
     def has_work(self) -> bool:
         """Whether this rank needs cycles now (otherwise they only keep it in step with the others)."""
         return bool(self.pending or self.waiting or self.queued or self.closing

@@ -155,7 +155,7 @@ class Runtime:
         self.outbox.flush()
         if self.cache is not None:
             if handle is not None:
-                self.cache.drive(handle.done)
+                self.cache.drive(handle)
             else:
                 self.cache.flush()
 

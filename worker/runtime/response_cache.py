@@ -249,20 +249,20 @@ class ResponseCache:
                               phase=self.protocol.phase.value)
 
     # ------------------------------------------------------------------ thread
-    def drive(self, done: Callable[[], bool]) -> None:
-        """Run cycles on the calling thread until ``done()`` (a caller waiting on a hit).
+    def drive(self, handle) -> None:
+        """Run cycles on the calling thread until ``handle`` is done (a caller waiting on a hit).
 
         Saves the two thread hand-offs of a round trip through the cache's thread. If that
         thread is running a cycle, it is told to hurry and the caller takes over after it.
-        Returns when nothing is pending here (the hit was withdrawn, the cache sleeps): the
-        caller then waits on its handle as usual.
+        Returns when no hit of ``handle`` is pending here (it ran, it was withdrawn, the cache
+        sleeps): the caller then waits on its handle as usual.
         """
         with self._lock:
             self._callers += 1  # the cache's thread leaves the cycles to this caller
         try:
-            while not done():
+            while not handle.done():
                 with self._lock:
-                    if not self.protocol.has_hits() or not self.protocol.phase.cycles:
+                    if not self.protocol.holds(handle) or not self.protocol.phase.cycles:
                         return
                 if not self._driver.acquire(blocking=False):
                     self._flush = True  # the thread's cycle hurries; this caller runs the next
@@ -270,13 +270,12 @@ class ResponseCache:
                         return
                 try:
                     self._flush = False
-                    # The thread's cycle may have run this caller's hit. A cycle it does not need
-                    # would wait for every rank, and a rank that has moved on may hold its GIL in
-                    # a blocking call (mpi4py's pickle-based comm.allreduce does), so that its
-                    # cache thread can never enter the cycle: a deadlock (docs/architecture.md).
-                    if done():
+                    # Only a cycle whose vector holds this caller's hit (checked again once the
+                    # vector is made, which may withdraw it): every other rank needs that one
+                    # too, so none can have moved on to a call that holds its GIL (mpi4py's
+                    # pickle-based allreduce does) and keeps its cache thread out of the cycle.
+                    if not self._guarded_cycle(urgent=True, needed=lambda: self.protocol.holds(handle)):
                         return
-                    self._guarded_cycle(urgent=True)
                 finally:
                     self._driver.release()
         finally:
@@ -322,12 +321,14 @@ class ResponseCache:
                 return True
             self._lock.wait(pause)  # a caller may run cycles meanwhile, which postpones this one
 
-    def _guarded_cycle(self, urgent: bool) -> None:
+    def _guarded_cycle(self, urgent: bool, needed: Optional[Callable[[], bool]] = None) -> bool:
         """A cycle; ``urgent``: some work of this rank's waits on it, so its waits yield the core
-        rather than sleep (otherwise they sleep: a rank with nothing to do must not spin)."""
+        rather than sleep (otherwise they sleep: a rank with nothing to do must not spin).
+        ``needed()`` (under the lock, once the vector is made): False skips the cycle, and this
+        returns False."""
         try:
             with waiting.impatiently() if urgent else contextlib.nullcontext():
-                self._cycle(urgent)
+                return self._cycle(urgent, needed)
         except Exception as error:  # noqa: BLE001 - every failure must reach the handles
             with self._lock:
                 self.protocol.finish()
@@ -337,14 +338,18 @@ class ResponseCache:
                 error = RingmasterError(f"rank {self.rank}: the response cache failed: "
                                         f"{type(error).__name__}: {error}")
             self._on_fatal(error)
+            return False
 
-    def _cycle(self, urgent: bool) -> None:
-        """One cycle (the caller holds the driver lock): agree, apply, run what is ready everywhere."""
+    def _cycle(self, urgent: bool, needed: Optional[Callable[[], bool]] = None) -> bool:
+        """One cycle (the caller holds the driver lock): agree, apply, run what is ready everywhere.
+        False if none was started (the cache does not cycle now, or ``needed()`` said no)."""
         with self._lock:
             if not self.protocol.phase.cycles:
-                return
+                return False
             vector = self.protocol.vector(time.monotonic())
             self._send_withdrawn()
+            if needed is not None and not needed():
+                return False  # the vector is dropped: what it withdrew stays withdrawn
         result = np.empty_like(vector)
         self._in_cycle_since = time.monotonic()
         try:
@@ -353,7 +358,7 @@ class ResponseCache:
             self._in_cycle_since = None
         with self._lock:
             if not completed:  # a rank left: the next step ends the cache
-                return
+                return True
             ready = self.protocol.apply(result, time.monotonic())
             self._send_withdrawn()
             self._last_cycle_at = time.monotonic()
@@ -361,6 +366,7 @@ class ResponseCache:
             with self._lock:
                 self.protocol.finish()
                 self._send_withdrawn()
+        return True
 
     def _wait(self, request, urgent: bool) -> bool:
         """Wait for a cycle's allreduce; False if a rank left, so that it can never complete.
