@@ -176,3 +176,31 @@ def test_documented_signatures_match_the_code():
                           and getattr(rm, name).__init__ is not object.__init__)]
     missing = [name for name in need_signature if name not in with_signature]
     assert not missing, f"public callables documented without their signature in docs/api.md: {missing}"
+
+
+def _quoted_constants():
+    """(statement in docs/architecture.md, the value the code uses): a tuned constant that
+    changes must change its description too."""
+    from ringmaster.common import keepalive
+    from ringmaster.coordinator import server
+    from ringmaster.worker.runtime import cache_protocol, response_cache
+    import test_cache_schedules  # tests/ is on the path of every test module
+
+    return [
+        (r"idle for ([\d.]+) s the cycles stop", cache_protocol.DORMANT_AFTER_S),
+        (r"waiting after ([\d.]+) s is withdrawn", cache_protocol.WITHDRAW_AFTER_S),
+        (r"after (\d+) heartbeat timeouts", server.LIVE_SILENCE_FACTOR),
+        (r"waits up to (\d+) heartbeat timeouts", server.LIVE_SILENCE_FACTOR),
+        (r"gets a (\d+)-minute ping timeout", keepalive.LOCAL_PING_TIMEOUT_MS / 60_000),
+        (r"under ([\d,]+) seeded random schedules", 7 * test_cache_schedules.QUICK_SCHEDULES),
+        (r"cycles every (\d+) ms while the cache", response_cache.IDLE_CYCLE_S * 1000),
+    ]
+
+
+@pytest.mark.parametrize("pattern,value", _quoted_constants())
+def test_constants_quoted_in_the_architecture_match_the_code(pattern, value):
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "architecture.md").read_text()
+                  + (ROOT / "docs" / "benchmarks.md").read_text())
+    found = re.findall(pattern, text)
+    assert found, f"docs no longer say {pattern!r}: update this test with the docs"
+    assert all(float(quoted.replace(",", "")) == value for quoted in found), (pattern, found, value)
