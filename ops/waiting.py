@@ -56,11 +56,10 @@ def set_abort_check(check: Optional[Callable[[], Optional[BaseException]]]) -> N
 def set_cores_shared(shared: bool) -> None:
     """Tell the waits whether this host runs more ranks than it has cores.
 
-    Then no wait spins or yields the core: the rank it waits for needs that core, and so do
-    the threads that must answer for this one (heartbeats, the coordinator, the response
-    cache's thread), which a host with every core busy was seen to leave unscheduled for up
-    to a minute (Linux 6.18, 8 ranks on 2 cores; docs/architecture.md, "Overloaded hosts and
-    a held GIL").
+    Then no wait spins: the rank it waits for needs that core. An impatient wait still yields
+    it for ``IMPATIENT_YIELD_S`` before it sleeps: that hands the core to the peer at once,
+    and sleeping instead made a cached 4-byte allreduce of 4 ranks on 2 cores 2.5 x slower
+    (p50 1.5-1.7 ms against 0.65 ms; docs/benchmarks.md).
     """
     global _cores_shared
     _cores_shared = shared
@@ -132,7 +131,7 @@ def wait_for(request: MPI.Request, timeout_s: Optional[float]) -> None:
     while clock() < spin_until:
         if request.Test():
             return
-    yield_s = None if _cores_shared else getattr(_thread_policy, "yield_s", None)
+    yield_s = getattr(_thread_policy, "yield_s", None)
     if yield_s:
         yield_until = clock() + yield_s
         while clock() < yield_until:
