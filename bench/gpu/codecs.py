@@ -21,6 +21,10 @@ calls in training), "threshold, 1 search + 5 reuses" their mean over a reuse cyc
 ``device_selection.py``). "x topk" is torch.topk's time over the method's (the goal on an
 H100 is >= 3); "selected/k" the median number of indices returned over k.
 
+Each table is printed twice (``--kernels fused,torch``): with the Triton kernels of
+``fused_scan`` / ``fused_codecs`` where they run, and with torch operations only, the path
+a machine without Triton takes.
+
 Every figure is a median over ``--reps`` timed calls after two untimed ones, the calls taking
 turns within every repetition. On CUDA a call starts after a synchronize and is timed with
 CUDA events up to its end (the device path's one read back to the host is inside the time).
@@ -37,6 +41,7 @@ import time
 
 import torch
 
+from ringmaster.worker.compression import fused_scan
 from ringmaster.worker.compression import quantization as q
 from ringmaster.worker.compression import selection
 
@@ -160,6 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--numel", default="64M", help="float32 elements (K/M suffixes are powers of 1024)")
     parser.add_argument("--ratio", type=float, default=0.001, help="selection ratio, k = ceil(ratio * numel)")
     parser.add_argument("--reps", type=int, default=9, help="timed calls per row")
+    parser.add_argument("--kernels", default="fused,torch",
+                        help="comma-separated: fused (Triton kernels where they run), torch (torch operations)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -176,12 +183,17 @@ def main(argv=None) -> int:
     print(f"# torch {torch.__version__} on {device} ({name}); {numel:,} float32 ({4 * numel / 2**20:,.0f} MiB) "
           f"of N(0,1); median of {args.reps}")
 
-    progress(f"codecs on {numel:,} elements")
-    print_codecs(codec_rows(values, args.reps), numel)
-    print()
-    progress(f"selection of k = {k:,}")
-    print(f"# k = {k:,} (ratio {args.ratio:g})")
-    print_selection(selection_rows(values, k, args.reps), k)
+    for kernels in args.kernels.split(","):
+        fused_scan.ENABLED = kernels == "fused"
+        print(f"## {kernels}: " + ("Triton kernels where they run (fused_scan, fused_codecs)" if fused_scan.ENABLED
+                                   else "torch operations only"))
+        progress(f"codecs on {numel:,} elements, {kernels}")
+        print_codecs(codec_rows(values, args.reps), numel)
+        print()
+        progress(f"selection of k = {k:,}, {kernels}")
+        print(f"# k = {k:,} (ratio {args.ratio:g})")
+        print_selection(selection_rows(values, k, args.reps), k)
+        print()
     return 0
 
 

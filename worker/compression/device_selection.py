@@ -32,6 +32,11 @@ counting pass a few full-size kernels. The device path instead works on a small,
    grid ratio at once with a histogram of ``(|v| - mean) / (max - mean)``
    (``torch.histc``), exact up to an entry within rounding of a grid edge.
 
+Where Triton runs (CUDA builds of torch), the full-size passes over ``|v|`` (the count and
+indices over a threshold, the sum and the maximum) are ONE fused pass, ``fused_scan.scan``,
+whose indices come out unordered: the few kept are sorted. Elsewhere they are torch
+operations.
+
 Every call makes ONE read (``devices.read`` or ``devices.nonzero_and_read``): the count that
 sizes the result, whether the candidates fitted, and ``max |v|``, which is not finite iff
 ``values`` holds NaN or infinity (then, as on the host, ``ValueError``). When a count is
@@ -47,7 +52,7 @@ import math
 
 import torch
 
-from ringmaster.worker.compression import devices
+from ringmaster.worker.compression import devices, fused_scan
 
 __all__ = [
     "MAX_GRID_LEVELS",
@@ -131,6 +136,11 @@ def grid_levels(eps: float) -> int:
 def indices_above(values: torch.Tensor, threshold, low: int, high: int) -> torch.Tensor | None:
     """Ascending indices of ``|values| > threshold`` if there are ``low`` to ``high`` of
     them, else ``None`` (a reused threshold that no longer fits). One read."""
+    if fused_scan.usable(values):
+        found = fused_scan.scan(values, _threshold_tensor(threshold, values), high)
+        total, biggest = devices.read(found.total, found.biggest)
+        _check_finite(biggest, values)
+        return found.indices[:int(total)].sort().values if low <= total <= high else None
     magnitudes = values.abs()
     indices, (biggest,) = devices.nonzero_and_read(magnitudes > threshold, magnitudes.amax())
     _check_finite(biggest, values)
@@ -141,15 +151,13 @@ def trimmed_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     """Exactly the ``k`` indices of the largest ``|values|``, ascending: ``torch.topk`` among
     the candidates (Algorithm 2's survivors, see the module docstring). ``0 < k < n``. One
     read."""
-    magnitudes = values.abs()
-    biggest = magnitudes.amax()
     if CUT_CAP * k > values.numel():  # too few entries for candidates to pay
-        (biggest,) = devices.read(biggest)
+        (biggest,) = devices.read(values.abs().amax())
         _check_finite(biggest, values)
         return topk_all(values, k)
-    candidates = _Candidates(magnitudes, k)
+    candidates = _Candidates(values, k)
     chosen = candidates.top(k)
-    fitted, biggest = devices.read((candidates.count >= k) & candidates.complete, biggest)
+    fitted, biggest = devices.read((candidates.count >= k) & candidates.complete, candidates.biggest)
     _check_finite(biggest, values)
     if fitted:
         return chosen
@@ -161,20 +169,21 @@ def threshold_search(values: torch.Tensor, k: int, eps: float) -> tuple[torch.Te
     the threshold (a 0-d float64 tensor on the device, to reuse), or exactly ``k`` indices
     and ``None`` when no grid threshold keeps ``k`` to ``2k`` (as the host path falls back).
     ``0 < k < n``. One read (two when the candidates did not fit)."""
-    magnitudes = values.abs()
-    mean, biggest = _mean_max(magnitudes)
     levels = grid_levels(eps)
     if CUT_CAP * k <= values.numel():
-        candidates = _Candidates(magnitudes, k)
+        candidates = _Candidates(values, k)
+        mean, biggest = candidates.mean, candidates.biggest
         threshold, found, _ = _grid_threshold(candidates.counts_over, mean, biggest, k, 2 * k, levels)
         indices, (fitted, found, top) = devices.nonzero_and_read(
-            candidates.magnitudes > threshold.to(magnitudes.dtype), (candidates.count > 2 * k) & candidates.complete,
+            candidates.magnitudes > threshold.to(values.dtype), (candidates.count > 2 * k) & candidates.complete,
             found, biggest)
         _check_finite(top, values)
         if fitted:  # the candidates hold every entry above their cut, and more than 2k
             if found and k <= indices.numel() <= 2 * k:
-                return candidates.indices.index_select(0, indices), threshold
+                return candidates.ascending(candidates.indices.index_select(0, indices)), threshold
             return candidates.top(k), None  # the host's exact fallback: the top k of all
+    magnitudes = values.abs()
+    mean, biggest = _mean_max(magnitudes)
     threshold, found, _ = _grid_threshold(_histogram(magnitudes, mean, biggest), mean, biggest, k, 2 * k, levels)
     indices, (found, top) = devices.nonzero_and_read(magnitudes > threshold.to(magnitudes.dtype), found, biggest)
     _check_finite(top, values)
@@ -208,27 +217,47 @@ def sampled_search(values: torch.Tensor, k: int, sample: torch.Tensor, low: int,
 
 
 class _Candidates:
-    """The entries of ``magnitudes`` above a cut ``c0`` that a random sample places about
+    """The entries of ``|values|`` above a cut ``c0`` that a random sample places about
     ``CUT_TARGET * k`` entries above, at most ``CUT_CAP * k`` (see the module docstring);
     all device tensors, made without a read.
 
-    ``indices`` (ascending, -1 in unused slots), ``magnitudes`` (-1 in unused slots),
-    ``count`` (used slots), ``complete`` (a slot is left: the candidates hold every entry
-    above ``c0``).
+    ``indices`` (-1 in unused slots; ascending, or in any order where ``fused_scan`` made
+    them, see :meth:`ascending`), ``magnitudes`` (-1 in unused slots), ``count`` (used
+    slots), ``complete`` (a slot is left: the candidates hold every entry above ``c0``),
+    and the ``mean`` and ``biggest`` magnitude of all of ``values`` (0-d float64).
     """
 
-    def __init__(self, magnitudes: torch.Tensor, k: int):
-        n = magnitudes.numel()
-        picks = torch.randint(n, (CUT_SAMPLE,), generator=_generator(magnitudes.device), device=magnitudes.device)
+    def __init__(self, values: torch.Tensor, k: int):
+        n = self._n = values.numel()
+        picks = torch.randint(n, (CUT_SAMPLE,), generator=_generator(values.device), device=values.device)
         rank = min(CUT_SAMPLE, math.ceil(CUT_TARGET * k * CUT_SAMPLE / n))
-        self.cut = torch.topk(magnitudes.index_select(0, picks), rank, sorted=False).values.amin()
+        self.cut = torch.topk(values.index_select(0, picks).abs(), rank, sorted=False).values.amin()
         cap = CUT_CAP * k
-        self.indices = devices.nonzero_static(magnitudes > self.cut, cap)
+        self.ordered = not fused_scan.usable(values)
+        if self.ordered:
+            magnitudes = values.abs()
+            self.indices = devices.nonzero_static(magnitudes > self.cut, cap)
+            self._total_magnitude = lambda: magnitudes.sum(dtype=accumulator(magnitudes))  # only if asked
+            self.biggest = magnitudes.amax().to(torch.float64)
+        else:  # one pass: the slots, the sum and the maximum (fused_scan)
+            found = fused_scan.scan(values, self.cut, cap)
+            self.indices = found.indices
+            self._total_magnitude = lambda: found.total_magnitude
+            self.biggest = found.biggest.to(torch.float64)
         unused = self.indices < 0
         self.count = cap - unused.sum()
         self.complete = self.count < cap
-        self.magnitudes = magnitudes.index_select(0, self.indices.clamp(min=0)).masked_fill_(unused, -1.0)
+        self.magnitudes = values.index_select(0, self.indices.clamp(min=0)).abs().masked_fill_(unused, -1.0)
         self._counts_over = None
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The mean magnitude of all the values (0-d float64), summed as the host sums."""
+        return self._total_magnitude().to(torch.float64) / self._n
+
+    def ascending(self, indices: torch.Tensor) -> torch.Tensor:
+        """``indices`` (some of :attr:`indices`, in slot order) in ascending order."""
+        return indices if self.ordered else indices.sort().values
 
     def top(self, k: int) -> torch.Tensor:
         """The indices of the ``k`` largest candidates, ascending (meaningful when
@@ -317,6 +346,13 @@ def _mean_max(magnitudes: torch.Tensor):
     taken in the host's accumulation dtype."""
     total = magnitudes.sum(dtype=accumulator(magnitudes)).to(torch.float64)
     return total / magnitudes.numel(), magnitudes.amax().to(torch.float64)
+
+
+def _threshold_tensor(threshold, values: torch.Tensor) -> torch.Tensor:
+    """``threshold`` (a number or a one-element tensor) as a tensor on the values' device."""
+    if isinstance(threshold, torch.Tensor):
+        return threshold.to(values.device)
+    return torch.tensor(float(threshold), dtype=torch.float64, device=values.device)
 
 
 def _check_finite(biggest: float, values: torch.Tensor) -> None:

@@ -51,7 +51,9 @@ or Inf absmax, and EVERY element of it decodes to NaN or ±Inf (0 × Inf is NaN)
 finite wrong value, as a float16 cast or an uncompressed sum would pass NaN on. A tensor of
 zeros has absmax 0 and decodes to exact zeros.
 
-Devices: encoding and decoding are torch operations on the input's device, with the
+Devices: the blockwise codecs (``encode_blocks``/``decode_blocks``) run as one Triton kernel
+each way where Triton runs on the input's device (``fused_codecs``: the same codes, bits and
+errors); otherwise encoding and decoding are torch operations on the input's device, with the
 tables (256 decode values, 65536-entry encode tables) built once on the host and copied to
 each device once, on first use (``_tables``, cached per device); results stay on the input's
 device, and nothing is read back on a device unless ``check_finite=True``. ``RingCodec``
@@ -65,7 +67,7 @@ from typing import NamedTuple
 
 import torch
 
-from ringmaster.worker.compression import devices
+from ringmaster.worker.compression import devices, fused_codecs
 
 #: Bytes in front of the codes in a packed buffer: ``absmax`` as float32.
 HEADER_BYTES = 4
@@ -287,6 +289,11 @@ def encode_blocks(tensor: torch.Tensor, kind: str, block: int = BLOCK_ELEMENTS, 
     if kind not in _VALUES:
         raise ValueError(f"unknown 8-bit type {kind!r}; use one of {', '.join(map(repr, _VALUES))}")
     _check_floating(tensor, what)
+    if fused_codecs.usable(tensor, block):  # one kernel on a device: the same codes
+        codes, absmax = fused_codecs.encode_blocks(tensor.detach(), _tables(kind, tensor.device), block)
+        if _checks_finite(tensor, check_finite) and not bool(torch.isfinite(absmax).all()):
+            _absmax(tensor.detach().reshape(-1).to(torch.float32), tensor)  # raises with the count of bad elements
+        return codes, absmax
     flat = tensor.detach().reshape(-1).to(torch.float32)
     count = flat.numel()
     blocks = -(-count // block)
@@ -314,6 +321,8 @@ def decode_blocks(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype,
     if not isinstance(absmax, torch.Tensor) or absmax.reshape(-1).numel() != -(-count // block):
         raise ValueError(f"{what}: {count} codes in blocks of {block} need {-(-count // block)} absmax values, "
                          f"got {absmax.numel() if isinstance(absmax, torch.Tensor) else absmax!r}")
+    if dtype in SUPPORTED_DTYPES and fused_codecs.usable(codes, block):
+        return fused_codecs.decode_blocks(codes.contiguous(), absmax, dtype, _tables(kind, codes.device), block)
     values = _tables(kind, codes.device).decode.to(torch.float32)
     decoded = torch.index_select(values, 0, codes.reshape(-1).to(torch.int32))
     return _scaled(decoded, absmax.reshape(-1).to(torch.float32), block).to(dtype).reshape(codes.shape)
