@@ -227,7 +227,7 @@ def test_fused_scan_finds_what_torch_finds(device, dtype, n, cap):
     kept = int(found.kept(cap))
     assert int(found.total) == above.numel() and kept == min(cap, above.numel())
     assert found.indices.numel() == cap and bool((found.indices[kept:] == -1).all())
-    stored = found.indices[:kept].cpu().sort().values
+    stored = found.indices[:kept].cpu().to(torch.int64).sort().values
     if kept == above.numel():
         assert torch.equal(stored, above)
     else:

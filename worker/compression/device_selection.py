@@ -137,10 +137,10 @@ def indices_above(values: torch.Tensor, threshold, low: int, high: int) -> torch
     """Ascending indices of ``|values| > threshold`` if there are ``low`` to ``high`` of
     them, else ``None`` (a reused threshold that no longer fits). One read."""
     if fused_scan.usable(values):
-        found = fused_scan.scan(values, _threshold_tensor(threshold, values), high)
-        total, biggest = devices.read(found.total, found.biggest)
+        found = fused_scan.scan(values, _threshold_tensor(threshold, values), high, fill=False)
+        total, biggest = found.read()
         _check_finite(biggest, values)
-        return found.indices[:int(total)].sort().values if low <= total <= high else None
+        return fused_scan.ascending(found.indices[:total]) if low <= total <= high else None
     magnitudes = values.abs()
     indices, (biggest,) = devices.nonzero_and_read(magnitudes > threshold, magnitudes.amax())
     _check_finite(biggest, values)
@@ -241,7 +241,7 @@ class _Candidates:
             self.biggest = magnitudes.amax().to(torch.float64)
         else:  # one pass: the slots, the sum and the maximum (fused_scan)
             found = fused_scan.scan(values, self.cut, cap)
-            self.indices = found.indices
+            self.indices = found.indices.to(torch.int64)
             self._total_magnitude = lambda: found.total_magnitude
             self.biggest = found.biggest.to(torch.float64)
         unused = self.indices < 0
@@ -257,7 +257,7 @@ class _Candidates:
 
     def ascending(self, indices: torch.Tensor) -> torch.Tensor:
         """``indices`` (some of :attr:`indices`, in slot order) in ascending order."""
-        return indices if self.ordered else indices.sort().values
+        return indices if self.ordered else fused_scan.ascending(indices)
 
     def top(self, k: int) -> torch.Tensor:
         """The indices of the ``k`` largest candidates, ascending (meaningful when
