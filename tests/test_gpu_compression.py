@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringmaster.worker.compression import devices, fused_scan
+from ringmaster.worker.compression import device_selection, devices, fused_scan
 from ringmaster.worker.compression import quantization as q
 from ringmaster.worker.compression import selection as sel
 from ringmaster.worker.compression.compressors import Compression
@@ -262,6 +262,19 @@ def test_threshold_search_selects_the_hosts_set(device, dist, ratio):
     assert_top_set(values, indices, k, 2 * k)
     assert state.searches == 1 and state.reuses == 1 and torch.equal(again, indices)
     assert math.isclose(float(state.threshold), host_state.threshold, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+def test_threshold_search_with_fused_candidates_selects_the_hosts_set(device, monkeypatch):
+    """The search's candidates made by ``fused_scan`` (off by default, see SEARCH_FUSED)."""
+    monkeypatch.setattr(device_selection, "SEARCH_FUSED", True)
+    values = randn(1 << 20, seed=31)
+    k = math.ceil(0.001 * values.numel())
+    host, _ = sel.threshold_binary_search(values, k)
+    with device_path(device):
+        indices, state = sel.threshold_binary_search(values.to(where(device)), k)
+    assert indices.device.type == where(device) and indices.dtype == torch.int64
+    assert torch.equal(indices.cpu(), host) and state.threshold is not None
 
 
 @pytest.mark.parametrize("device", DEVICE_PATHS)
