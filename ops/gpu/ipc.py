@@ -1,15 +1,21 @@
 """The ipc transport: ranks of one host that share a GPU reduce in each other's memory.
 
-NCCL refuses two ranks on one GPU; CUDA IPC does not. Each rank allocates a transfer
-buffer with ``cudaMalloc`` (IPC handles name whole allocations, so not from a pool),
-and the ranks exchange its handle over MPI once per growth of the buffer. Allreduce of
-``n`` elements over ``p`` ranks, chunk r owned by rank r:
+NCCL refuses two ranks on one GPU; CUDA IPC does not. Each rank allocates two transfer
+buffers with ``cudaMalloc`` (IPC handles name whole allocations, so not from a pool),
+and the ranks exchange their handles over MPI once per growth of the buffers. Allreduce
+of ``n`` elements over ``p`` ranks, chunk r owned by rank r, in the buffer of this call's
+turn (the two alternate):
 
 1. copy the input into the own transfer buffer; MPI barrier (every input is there);
 2. reduce-scatter: rank r adds chunk r of every peer's buffer into its own chunk r, in
    rank order (and scales it); MPI barrier (every chunk is final);
-3. allgather: rank r copies chunk q of rank q's buffer into its output, for every q;
-   MPI barrier (no rank rewrites its buffer while a peer still reads it).
+3. allgather: rank r copies chunk q of rank q's buffer into its output, for every q,
+   queued on the stream (the result is stream-ordered, as every transport's is).
+
+No barrier closes the call: a rank rewrites a buffer two calls later, after step 1's
+barrier of the call in between, which every peer enters only once its stream has
+finished reading (step 3) the buffer of the call before. That saves one barrier and one
+stream synchronization per call over a single buffer (which needs a third barrier).
 
 Each chunk is reduced by exactly one rank, so all ranks hold bit-identical results.
 Before each barrier the rank waits for its own stream, since the peers read what its
@@ -35,8 +41,9 @@ class IpcTransport(StagedTransport):
 
         self._cupy = cupy
         self._capacity = 0
-        self._own_pointer = 0
-        self._peer_pointers = {}  # rank -> pointer opened from its handle
+        self._own_pointers = []   # this rank's two transfer buffers
+        self._peer_pointers = []  # per buffer: rank -> pointer opened from its handle
+        self._turn = 0            # which of the two buffers this call uses
 
     def allreduce(self, array, op: str = "sum", scale=None, algorithm: str = "auto") -> None:
         if self.size == 1 or array.size == 0:
@@ -47,7 +54,8 @@ class IpcTransport(StagedTransport):
         array, op = as_reducible(array, op)
         self._reserve(array.nbytes)
         cupy, add = self._cupy, combine(op)
-        views = [self._view(rank, array) for rank in range(self.size)]
+        turn, self._turn = self._turn, 1 - self._turn
+        views = [self._view(rank, array, turn) for rank in range(self.size)]
         bounds = chunk_bounds(array.size, self.size)
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         with self.stream:
@@ -63,7 +71,6 @@ class IpcTransport(StagedTransport):
             for rank in range(self.size):
                 start, stop = bounds[rank], bounds[rank + 1]
                 cupy.copyto(array[start:stop], views[rank][start:stop])
-            self._barrier()
 
     def close(self) -> None:
         self._release()
@@ -74,10 +81,10 @@ class IpcTransport(StagedTransport):
         self.stream.synchronize()
         self.comm.Barrier()
 
-    def _view(self, rank: int, like):
-        """Rank ``rank``'s transfer buffer as an array shaped and typed like ``like``."""
+    def _view(self, rank: int, like, turn: int):
+        """Rank ``rank``'s transfer buffer ``turn`` as an array shaped and typed like ``like``."""
         cupy = self._cupy
-        pointer = self._own_pointer if rank == self.rank else self._peer_pointers[rank]
+        pointer = self._own_pointers[turn] if rank == self.rank else self._peer_pointers[turn][rank]
         memory = cupy.cuda.UnownedMemory(pointer, self._capacity, self, self.device_id)
         return cupy.ndarray(like.shape, like.dtype, cupy.cuda.MemoryPointer(memory, 0))
 
@@ -88,20 +95,22 @@ class IpcTransport(StagedTransport):
         self._release()
         runtime = self._cupy.cuda.runtime
         capacity = max(nbytes, 1 << 20)
-        self._own_pointer = runtime.malloc(capacity)
+        self._own_pointers = [runtime.malloc(capacity) for _ in range(2)]
         self._capacity = capacity
-        handles = self.comm.allgather(bytes(runtime.ipcGetMemHandle(self._own_pointer)))
-        self._peer_pointers = {rank: runtime.ipcOpenMemHandle(handle)
-                               for rank, handle in enumerate(handles) if rank != self.rank}
+        handles = self.comm.allgather([bytes(runtime.ipcGetMemHandle(pointer)) for pointer in self._own_pointers])
+        self._peer_pointers = [{rank: runtime.ipcOpenMemHandle(pair[turn])
+                                for rank, pair in enumerate(handles) if rank != self.rank} for turn in range(2)]
 
     def _release(self) -> None:
         if not self._capacity:
             return
         runtime = self._cupy.cuda.runtime
         self.stream.synchronize()
-        for pointer in self._peer_pointers.values():
-            runtime.ipcCloseMemHandle(pointer)
-        self._peer_pointers = {}
-        self.comm.Barrier()  # every peer has closed its mapping of our buffer
-        runtime.free(self._own_pointer)
-        self._own_pointer, self._capacity = 0, 0
+        for pointers in self._peer_pointers:
+            for pointer in pointers.values():
+                runtime.ipcCloseMemHandle(pointer)
+        self._peer_pointers = []
+        self.comm.Barrier()  # every peer has finished with and closed its mapping of our buffers
+        for pointer in self._own_pointers:
+            runtime.free(pointer)
+        self._own_pointers, self._capacity = [], 0
