@@ -133,8 +133,8 @@ class AllreducePaths:
         if flat.dtype.is_floating_point:  # scaled inside the allreduce, chunk by chunk while in cache
             scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
                 else response.postscale_factor
-        label = transport.span_label(algorithm if algorithm != "auto" else ops.choose_algorithm(
-            array.nbytes, group.size, array.dtype, reduction)) if timeline.active() is not None else ""
+        label = lambda: transport.span_label(algorithm if algorithm != "auto" else ops.choose_algorithm(  # noqa: E731
+            array.nbytes, group.size, array.dtype, reduction))
         with timeline.span(response.names, label):
             if source is None:
                 transport.allreduce(array, reduction, scale=scale, algorithm=algorithm)

@@ -119,12 +119,10 @@ class Executor(AllreducePaths):
 
     def submit(self, response_list: pb.ResponseList) -> None:
         """Called by the receiver thread for each response list, in arrival order."""
-        recording = timeline.active()
-        if recording is not None:
-            recording.cycle()
+        if timeline.recording():
+            timeline.mark_cycle()
             for response in response_list.responses:
-                recording.end(response.names)  # negotiation is over
-                recording.begin(response.names, "QUEUE")
+                timeline.switch(response.names, "QUEUE")  # negotiation is over
         self._queue.put(response_list)
 
     def register_plan(self, process_set_id: int, plan) -> None:
@@ -182,16 +180,9 @@ class Executor(AllreducePaths):
                 return
             self._expected_sequence += 1
             for response in item.responses:
-                recording = timeline.active()
-                if recording is None:
+                timeline.end(response.names)  # out of the queue
+                with timeline.span(response.names, lambda response=response: pb.OpType.Name(response.op_type)):
                     done = self.execute(response)
-                else:
-                    recording.end(response.names)  # out of the queue
-                    recording.begin(response.names, pb.OpType.Name(response.op_type))
-                    try:
-                        done = self.execute(response)
-                    finally:
-                        recording.end(response.names)
                 if not done:
                     return
             if self.autotune is not None and self.autotune.active:

@@ -242,9 +242,7 @@ class GradientPlan:
 
     def mark_ready(self, index: int, gradient: torch.Tensor) -> None:
         """Hand over the gradient of parameter ``index`` for this step."""
-        recording = timeline.active()
-        if recording is not None:
-            recording.begin([self.names[index]], "READY")
+        timeline.begin([self.names[index]], "READY")
         with self._condition:
             self._gradients[index] = gradient
             self._ready[index] = True
@@ -457,11 +455,7 @@ class GradientPlan:
     def _start_deferred(self, number: int, gradients: List[torch.Tensor]) -> None:
         """Start bucket ``number``'s allreduce; :meth:`_close_step` waits for it and unpacks it."""
         bucket = self.buckets[number]
-        recording = timeline.active()
-        if recording is not None:
-            names = [self.names[i] for i in bucket.indices]
-            recording.end(names)
-            recording.begin(names, "ALLREDUCE")
+        timeline.switch([self.names[i] for i in bucket.indices], "ALLREDUCE")
         torch.cat([g.reshape(-1) for g in gradients], out=bucket.buffer)
         if self.prescale != 1.0:
             bucket.buffer.mul_(self.prescale)
@@ -506,11 +500,7 @@ class GradientPlan:
             # The same scale as the others: the rank finishing a chunk scales it for everyone.
             ops.allreduce(comm, flat_array(work), "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
             return
-        names = [self.names[i] for i in bucket.indices]
-        recording = timeline.active()
-        if recording is not None:
-            recording.end(names)
-            recording.begin(names, "ALLREDUCE")
+        timeline.switch([self.names[i] for i in bucket.indices], "ALLREDUCE")
         if bucket.fused:
             work = bucket.buffer
             torch.cat([g.reshape(-1) for g in gradients], out=work)
@@ -531,9 +521,7 @@ class GradientPlan:
                 gradient.copy_(part.view_as(gradient))
         elif work is not gradients[0]:
             gradients[0].copy_(work)
-        recording = timeline.active()
-        if recording is not None:
-            recording.end([self.names[i] for i in bucket.indices])
+        timeline.end([self.names[i] for i in bucket.indices])
 
     def _take(self, number: int, stopping: Callable[[], bool]) -> List[torch.Tensor]:
         """Bucket ``number``'s gradients, once all are handed over."""

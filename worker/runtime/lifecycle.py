@@ -135,9 +135,8 @@ class Runtime:
             for entry in added:
                 self.table.drop(entry.process_set_id, entry.name)
             raise
-        recording = timeline.active()
-        if recording is not None:
-            recording.begin([entry.name for entry in entries], f"NEGOTIATE_{pb.OpType.Name(entries[0].op_type)}")
+        if timeline.recording():
+            timeline.begin([entry.name for entry in entries], f"NEGOTIATE_{pb.OpType.Name(entries[0].op_type)}")
         if self.cache is not None and len(entries) == 1 and entries[0].cache_key is not None:
             if self.cache.take(entries[0], requests):
                 return

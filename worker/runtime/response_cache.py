@@ -396,10 +396,8 @@ class ResponseCache:
     def _send_withdrawn(self) -> None:
         """Under the lock: hits the protocol withdrew go to the coordinator."""
         for hit in self.protocol.drain_withdrawn():
-            recording = timeline.active()
-            if recording is not None:
-                recording.end([hit.entry.name])
-                recording.begin([hit.entry.name], f"NEGOTIATE_{pb.OpType.Name(hit.entry.op_type)}")
+            if timeline.recording():
+                timeline.switch([hit.entry.name], f"NEGOTIATE_{pb.OpType.Name(hit.entry.op_type)}")
             self._negotiate(hit.request_list())
 
     # ------------------------------------------------------------- running
@@ -423,9 +421,7 @@ class ResponseCache:
     def _run_batch(self, batch: List[Slot]) -> bool:
         response = batch[0].template if len(batch) == 1 else _Batch(batch)
         names = list(response.names)
-        recording = timeline.active()
-        if recording is not None:
-            recording.end(names)  # their NEGOTIATE span: the cache has agreed
+        timeline.end(names)  # their NEGOTIATE span: the cache has agreed
         try:
             with timeline.span(names, f"CACHED_{pb.OpType.Name(response.op_type)}"):
                 return self._executor.execute(response)

@@ -128,21 +128,60 @@ def active() -> Optional[Timeline]:
     return _active
 
 
+def recording() -> bool:
+    """Whether a timeline is being recorded (to skip building a costly span name)."""
+    return _active is not None
+
+
+def begin(names, activity: str) -> None:
+    """Open a span ``activity`` for each of ``names`` that a later :func:`end` closes,
+    possibly elsewhere (a tensor's NEGOTIATE span opens at submission and closes when the
+    response arrives). Block-shaped spans use :class:`span`. Without an active timeline it
+    costs one attribute read, as do :func:`end`, :func:`switch` and :func:`mark_cycle`."""
+    recording_now = _active
+    if recording_now is not None:
+        recording_now.begin(names, activity)
+
+
+def end(names) -> None:
+    """Close the innermost open span of each of ``names``."""
+    recording_now = _active
+    if recording_now is not None:
+        recording_now.end(names)
+
+
+def switch(names, activity: str) -> None:
+    """Close the open span of each of ``names`` and open ``activity`` (the next phase)."""
+    recording_now = _active
+    if recording_now is not None:
+        recording_now.end(names)
+        recording_now.begin(names, activity)
+
+
+def mark_cycle() -> None:
+    """Mark the arrival of a response list (when the timeline was started with ``mark_cycles``)."""
+    recording_now = _active
+    if recording_now is not None:
+        recording_now.cycle()
+
+
 class span:
     """``with span(names, activity):`` records one span per name around the block, in the
     style of torch's ``record_function``; the span closes when the block raises too.
-    Without an active timeline it costs one attribute read."""
+    ``activity`` may be a function of no arguments, called only while recording (for a name
+    that costs something to build). Without an active timeline it costs one attribute read."""
 
     __slots__ = ("_names", "_activity", "_recording")
 
-    def __init__(self, names, activity: str):
+    def __init__(self, names, activity):
         self._names, self._activity = names, activity
         self._recording = None
 
     def __enter__(self) -> "span":
         self._recording = _active
         if self._recording is not None:
-            self._recording.begin(self._names, self._activity)
+            activity = self._activity() if callable(self._activity) else self._activity
+            self._recording.begin(self._names, activity)
         return self
 
     def __exit__(self, *exc) -> None:
