@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 MIB = 1024 * 1024
 
@@ -227,34 +227,125 @@ def _gpu_transport(value: str) -> str:
     return value
 
 
-ENVIRONMENT = {
-    "RINGMASTER_COORDINATOR_ADDR": ("coordinator_addr", _text),
-    "RINGMASTER_SECRET": ("secret", _text),
-    "RINGMASTER_FUSION_THRESHOLD": ("fusion_threshold_bytes", _nonnegative_int),
-    "RINGMASTER_CYCLE_TIME": ("cycle_time_ms", _nonnegative_float),
-    "RINGMASTER_STALL_WARNING_S": ("stall_warning_s", _positive_float),
-    "RINGMASTER_STALL_SHUTDOWN_S": ("stall_shutdown_s", _nonnegative_float),
-    "RINGMASTER_HEARTBEAT_INTERVAL_S": ("heartbeat_interval_s", _positive_float),
-    "RINGMASTER_HEARTBEAT_TIMEOUT_S": ("heartbeat_timeout_s", _positive_float),
-    "RINGMASTER_START_TIMEOUT": ("start_timeout_s", _positive_float),
-    "RINGMASTER_ALLREDUCE": ("allreduce_algorithm", _algorithm),
-    "RINGMASTER_LOG_LEVEL": ("log_level", _log_level),
-    "RINGMASTER_NETWORK_INTERFACE": ("network_interface", _text),
-    "RINGMASTER_TIMELINE": ("timeline", _timeline),
-    "RINGMASTER_BACKGROUND_NICE": ("background_nice", _nice),
-    "RINGMASTER_GRADIENT_PLAN": ("gradient_plan", _switch),
-    "RINGMASTER_PLAN_OVERLAP": ("plan_overlap", _plan_overlap),
-    "RINGMASTER_MAX_MESSAGE_BYTES": ("max_message_bytes", _message_bytes),
-    "RINGMASTER_MAX_PENDING_REQUESTS": ("max_pending_requests", _positive_int),
-    "RINGMASTER_CACHE_CAPACITY": ("cache_capacity", _cache_capacity),
-    "RINGMASTER_AUTOTUNE": ("autotune", _switch),
-    "RINGMASTER_AUTOTUNE_LOG": ("autotune_log", _csv_path),
-    "RINGMASTER_AUTOTUNE_WARMUP_SAMPLES": ("autotune_warmup_samples", _nonnegative_int),
-    "RINGMASTER_AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", _positive_int),
-    "RINGMASTER_RESULT_POOL": ("result_pool", _switch),
-    "RINGMASTER_GPU_TRANSPORT": ("gpu_transport", _gpu_transport),
-    "RINGMASTER_CACHE_STALL_S": ("cache_stall_s", _nonnegative_float),
-}
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting of a job, described once: its variable, its :class:`Config` field, its
+    parser, and (for those ``ringrun`` offers) its flag. ``ringrun``'s flags, their help
+    text with the default, their checks and the variables they set are all derived from
+    these (``ringmaster.launch.setting_flags``); ranks read the variables through
+    :func:`load_config`.
+
+    Attributes:
+        variable: the ``RINGMASTER_*`` environment variable.
+        field: the :class:`Config` field it sets (whose default is the setting's default).
+        parse: text of the variable -> value; raises ``ValueError`` saying what it must be.
+        flag: ``ringrun``'s flag, or ``None`` where only the variable exists.
+        help: the flag's help, without the default (added from the field's default).
+        group: which of ringrun's option groups lists the flag ("job", "tuning", "network").
+        metavar: the flag's value in the help text.
+        unit: how many of the variable's units one of the flag's is (MiB flags: bytes).
+        choices: the allowed values, for a flag that is a choice.
+        switch: the flag takes no value and sets the variable to 1.
+        default_text: the default as the help shows it, where the field's default does not
+            say it well (``None``: derived from the field).
+    """
+
+    variable: str
+    field: str
+    parse: Callable[[str], Any]
+    flag: Optional[str] = None
+    help: str = ""
+    group: str = "tuning"
+    metavar: Optional[str] = None
+    unit: int = 1
+    choices: Tuple[str, ...] = ()
+    switch: bool = False
+    default_text: Optional[str] = None
+
+    @property
+    def dest(self) -> Optional[str]:
+        """The flag's attribute name on ringrun's parsed arguments."""
+        return None if self.flag is None else self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def default(self) -> Any:
+        """The default value, in the variable's units (the :class:`Config` field's default)."""
+        return Config.__dataclass_fields__[self.field].default
+
+    def environment_value(self, value: Any) -> str:
+        """A flag's ``value`` (in the flag's units) as the variable's text; ``ValueError`` if
+        the variable's parser refuses it."""
+        if self.switch:
+            text = "1"
+        elif self.unit != 1:
+            text = str(int(round(float(value) * self.unit)))
+        elif isinstance(value, float):
+            text = repr(value) if value != int(value) else str(int(value))
+        else:
+            text = str(value)
+        self.parse(text)
+        return text
+
+
+# The order is that of ringrun's help within each group.
+SETTINGS: Tuple[Setting, ...] = (
+    Setting("RINGMASTER_COORDINATOR_ADDR", "coordinator_addr", _text),
+    Setting("RINGMASTER_SECRET", "secret", _text),
+    Setting("RINGMASTER_START_TIMEOUT", "start_timeout_s", _positive_float, "--start-timeout",
+            "seconds to wait for the coordinator and the ranks to start", group="job", metavar="S"),
+    Setting("RINGMASTER_FUSION_THRESHOLD", "fusion_threshold_bytes", _nonnegative_int, "--fusion-threshold-mb",
+            "largest fused allreduce buffer in MiB (0 disables fusion)", metavar="MB", unit=MIB),
+    Setting("RINGMASTER_CYCLE_TIME", "cycle_time_ms", _nonnegative_float, "--cycle-time-ms",
+            "coordinator cycle time in milliseconds", metavar="MS"),
+    Setting("RINGMASTER_STALL_WARNING_S", "stall_warning_s", _positive_float, "--stall-warning-s",
+            "warn about tensors some ranks have not declared after S seconds", metavar="S"),
+    Setting("RINGMASTER_STALL_SHUTDOWN_S", "stall_shutdown_s", _nonnegative_float, "--stall-shutdown-s",
+            "abort the job after a stall of S seconds (0: never)", metavar="S"),
+    Setting("RINGMASTER_ALLREDUCE", "allreduce_algorithm", _algorithm, "--allreduce",
+            "allreduce algorithm", choices=("auto", "ring", "mpi")),
+    Setting("RINGMASTER_HEARTBEAT_INTERVAL_S", "heartbeat_interval_s", _positive_float, "--heartbeat-interval-s",
+            "how often an idle rank tells the coordinator it is alive", metavar="S"),
+    Setting("RINGMASTER_HEARTBEAT_TIMEOUT_S", "heartbeat_timeout_s", _positive_float, "--heartbeat-timeout-s",
+            "declare a rank dead after S seconds without a heartbeat", metavar="S"),
+    Setting("RINGMASTER_BACKGROUND_NICE", "background_nice", _nice, "--background-nice",
+            "nice value 0-19 of each rank's communication thread (19: it uses the cycles training "
+            "leaves; 0: equal priority)", metavar="N"),
+    Setting("RINGMASTER_MAX_MESSAGE_BYTES", "max_message_bytes", _message_bytes, "--max-message-mb",
+            "largest message between a rank and the coordinator in MiB (longer request and response "
+            "lists go as several messages)", metavar="MB", unit=MIB),
+    Setting("RINGMASTER_MAX_PENDING_REQUESTS", "max_pending_requests", _positive_int, "--max-pending-requests",
+            "tensors one rank may have waiting for other ranks", metavar="N"),
+    Setting("RINGMASTER_CACHE_CAPACITY", "cache_capacity", _cache_capacity, "--cache-capacity",
+            "negotiated collectives each rank's response cache keeps, so that calling one again skips "
+            "the coordinator (0: no cache)", metavar="N"),
+    Setting("RINGMASTER_GPU_TRANSPORT", "gpu_transport", _gpu_transport, "--gpu-transport",
+            "how collectives of CUDA tensors move data", choices=GPU_TRANSPORTS,
+            default_text="auto: nccl with a GPU per rank, ipc for ranks sharing a GPU on one host, mpi if "
+                         "CUDA-aware, else staged"),
+    Setting("RINGMASTER_AUTOTUNE", "autotune", _switch, "--autotune",
+            "tune fusion threshold, cycle time, ring/MPI crossover and response cache during the first "
+            "steps", switch=True, default_text="off"),
+    Setting("RINGMASTER_AUTOTUNE_LOG", "autotune_log", _csv_path, "--autotune-log-file",
+            "write every autotuning trial and the final choice to this CSV file", metavar="PATH"),
+    Setting("RINGMASTER_AUTOTUNE_WARMUP_SAMPLES", "autotune_warmup_samples", _nonnegative_int,
+            "--autotune-warmup-samples", "autotuning samples discarded before the search", metavar="N"),
+    Setting("RINGMASTER_AUTOTUNE_STEPS_PER_SAMPLE", "autotune_steps_per_sample", _positive_int,
+            "--autotune-steps-per-sample", "steps (repeats of one tensor name) per autotuning sample",
+            metavar="N"),
+    Setting("RINGMASTER_TIMELINE", "timeline", _timeline, "--timeline-filename",
+            "record a Chrome-tracing timeline of every tensor to PATH ({rank} in PATH: one file per rank; "
+            "otherwise rank 0's)", metavar="PATH"),
+    Setting("RINGMASTER_NETWORK_INTERFACE", "network_interface", _text, "--network-interface",
+            "interface for the coordinator and MPI's TCP traffic, e.g. eth0", group="network", metavar="IF"),
+    Setting("RINGMASTER_LOG_LEVEL", "log_level", _log_level),  # ringrun --verbose sets INFO
+    Setting("RINGMASTER_GRADIENT_PLAN", "gradient_plan", _switch),
+    Setting("RINGMASTER_PLAN_OVERLAP", "plan_overlap", _plan_overlap),
+    Setting("RINGMASTER_RESULT_POOL", "result_pool", _switch),
+    Setting("RINGMASTER_CACHE_STALL_S", "cache_stall_s", _nonnegative_float),
+)
+
+#: variable -> (Config field, parser), from :data:`SETTINGS`.
+ENVIRONMENT = {setting.variable: (setting.field, setting.parse) for setting in SETTINGS}
 
 
 def load_config(environ: Optional[Mapping[str, str]] = None) -> Config:

@@ -24,8 +24,6 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence
 
-from ringmaster.common.config import GPU_TRANSPORTS
-
 from .command import check_command, normalize_command
 from .coordinator_process import CoordinatorProcess
 from .environment import (base_environment, coordinator_environment, exported_names, job_environment,
@@ -38,6 +36,7 @@ from .mpi_command import (LaunchSpec, MpiImplementation, build_command, detect_m
                           hostfile_text, split_mpi_args)
 from .network import coordinator_address, interface_ipv4
 from .output import OutputRelay
+from .setting_flags import FLAG_SETTINGS, add_setting_flags
 from .slurm import SlurmAllocation, slurm_allocation
 from .workdir import make_workdir, remove_stale_workdirs
 
@@ -96,58 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "allocation's nodes and tasks, else this host, one slot per CPU)")
     where.add_argument("--hostfile", metavar="FILE", help="file with one 'host slots=N' per line")
     job.add_argument("--oversubscribe", action="store_true", help="allow more processes than slots")
-    job.add_argument("--start-timeout", type=_number(float, 0, False), metavar="S",
-                     help="seconds to wait for the coordinator and the ranks to start (default 30)")
     job.add_argument("--output-filename", metavar="DIR",
                      help="also write each rank's output to DIR/rank.R/{stdout,stderr}")
     job.add_argument("--verbose", "-v", action="store_true",
                      help="print the mpirun command; ringmaster logs at INFO")
 
     tuning = parser.add_argument_group("tuning (each sets a RINGMASTER_* variable)")
-    tuning.add_argument("--fusion-threshold-mb", type=_number(float, 0, True), metavar="MB",
-                        help="largest fused allreduce buffer in MiB (default 64; 0 disables fusion)")
-    tuning.add_argument("--cycle-time-ms", type=_number(float, 0, True), metavar="MS",
-                        help="coordinator cycle time in milliseconds (default 1)")
-    tuning.add_argument("--stall-warning-s", type=_number(float, 0, False), metavar="S",
-                        help="warn about tensors some ranks have not declared after S seconds (default 60)")
-    tuning.add_argument("--stall-shutdown-s", type=_number(float, 0, True), metavar="S",
-                        help="abort the job after a stall of S seconds (default 1800; 0: never)")
-    tuning.add_argument("--allreduce", choices=("auto", "ring", "mpi"),
-                        help="allreduce algorithm (default auto)")
-    tuning.add_argument("--heartbeat-interval-s", type=_number(float, 0, False), metavar="S",
-                        help="how often an idle rank tells the coordinator it is alive (default 1)")
-    tuning.add_argument("--heartbeat-timeout-s", type=_number(float, 0, False), metavar="S",
-                        help="declare a rank dead after S seconds without a heartbeat (default 60)")
-    tuning.add_argument("--background-nice", type=_number(int, 0, True), metavar="N",
-                        help="nice value 0-19 of each rank's communication thread (default 19: it uses "
-                             "the cycles training leaves; 0: equal priority)")
-    tuning.add_argument("--max-message-mb", type=_number(float, 0, False), metavar="MB",
-                        help="largest message between a rank and the coordinator in MiB (default 16; "
-                             "longer request and response lists go as several messages)")
-    tuning.add_argument("--max-pending-requests", type=_number(int, 1, True), metavar="N",
-                        help="tensors one rank may have waiting for other ranks (default 65536)")
-    tuning.add_argument("--cache-capacity", type=_number(int, 0, True), metavar="N",
-                        help="negotiated collectives each rank's response cache keeps, so that calling one "
-                             "again skips the coordinator (default 1024; 0: no cache)")
-    tuning.add_argument("--gpu-transport", choices=GPU_TRANSPORTS,
-                        help="how collectives of CUDA tensors move data (default auto: nccl with a GPU per "
-                             "rank, ipc for ranks sharing a GPU on one host, mpi if CUDA-aware, else staged)")
-    tuning.add_argument("--autotune", action="store_true",
-                        help="tune fusion threshold, cycle time, ring/MPI crossover and response cache "
-                             "during the first steps (RINGMASTER_AUTOTUNE=1)")
-    tuning.add_argument("--autotune-log-file", metavar="PATH",
-                        help="write every autotuning trial and the final choice to this CSV file")
-    tuning.add_argument("--autotune-warmup-samples", type=_number(int, 0, True), metavar="N",
-                        help="autotuning samples discarded before the search (default 3)")
-    tuning.add_argument("--autotune-steps-per-sample", type=_number(int, 1, True), metavar="N",
-                        help="steps (repeats of one tensor name) per autotuning sample (default 10)")
-    tuning.add_argument("--timeline-filename", metavar="PATH",
-                        help="record a Chrome-tracing timeline of every tensor to PATH ({rank} in PATH: "
-                             "one file per rank; otherwise rank 0's)")
-
     network = parser.add_argument_group("network and MPI")
-    network.add_argument("--network-interface", metavar="IF",
-                         help="interface for the coordinator and MPI's TCP traffic, e.g. eth0")
+    add_setting_flags({"job": job, "tuning": tuning, "network": network})
     network.add_argument("--ssh-port", type=_number(int, 1, True), metavar="PORT",
                          help="ssh port of the remote hosts")
     network.add_argument("--ssh-identity-file", metavar="FILE", help="ssh private key for the remote hosts")
@@ -242,19 +197,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
         interface_ipv4(args.network_interface)  # fails now if there is no such interface
     mpi_args = split_mpi_args(args.mpi_args)
 
-    tuning = tuning_environment(
-        fusion_threshold_mb=args.fusion_threshold_mb, cycle_time_ms=args.cycle_time_ms,
-        stall_warning_s=args.stall_warning_s, stall_shutdown_s=args.stall_shutdown_s,
-        allreduce=args.allreduce, start_timeout_s=args.start_timeout,
-        network_interface=args.network_interface, verbose=args.verbose,
-        heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
-        timeline_filename=args.timeline_filename, background_nice=args.background_nice,
-        max_message_mb=args.max_message_mb, max_pending_requests=args.max_pending_requests,
-        cache_capacity=args.cache_capacity, gpu_transport=args.gpu_transport,
-        autotune=args.autotune, autotune_log_file=args.autotune_log_file,
-        autotune_warmup_samples=args.autotune_warmup_samples,
-        autotune_steps_per_sample=args.autotune_steps_per_sample,
-    )
+    tuning = tuning_environment({dest: getattr(args, dest) for dest in FLAG_SETTINGS}, verbose=args.verbose)
     base_env = base_environment(environ, tuning)
     config = validated_config(base_env)
     mpi = detect_mpi(find_mpirun())

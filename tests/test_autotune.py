@@ -176,9 +176,8 @@ def test_bad_autotune_settings_name_the_variable(variable, value, words):
 def test_ringrun_flags_set_the_variables(tmp_path):
     args = parse_args(["--autotune", "--autotune-log-file", str(tmp_path / "a.csv"), "--autotune-warmup-samples", "0",
                        "--autotune-steps-per-sample", "4", "python", "x.py"])
-    env = tuning_environment(autotune=args.autotune, autotune_log_file=args.autotune_log_file,
-                             autotune_warmup_samples=args.autotune_warmup_samples,
-                             autotune_steps_per_sample=args.autotune_steps_per_sample)
+    env = tuning_environment({name: getattr(args, name) for name in (
+        "autotune", "autotune_log_file", "autotune_warmup_samples", "autotune_steps_per_sample")})
     config = load_config(env)
     assert config.autotune and config.autotune_log == str(tmp_path / "a.csv")
     assert config.autotune_warmup_samples == 0 and config.autotune_steps_per_sample == 4

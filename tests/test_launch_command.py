@@ -117,10 +117,10 @@ def test_check_command(tmp_path):
 # ---------------------------------------------------------------- environment
 
 def test_tuning_environment_units():
-    env = tuning_environment(fusion_threshold_mb=32, cycle_time_ms=2.5, stall_warning_s=30,
-                             stall_shutdown_s=0, allreduce="mpi", start_timeout_s=12,
-                             network_interface="eth0", verbose=True, heartbeat_interval_s=0.5,
-                             heartbeat_timeout_s=20)
+    env = tuning_environment(dict(fusion_threshold_mb=32, cycle_time_ms=2.5, stall_warning_s=30,
+                                  stall_shutdown_s=0, allreduce="mpi", start_timeout=12,
+                                  network_interface="eth0", heartbeat_interval_s=0.5,
+                                  heartbeat_timeout_s=20), verbose=True)
     assert env == {
         "RINGMASTER_FUSION_THRESHOLD": str(32 * MIB),
         "RINGMASTER_CYCLE_TIME": "2.5",
@@ -136,8 +136,10 @@ def test_tuning_environment_units():
     config = validated_config(env)
     assert config.fusion_threshold_bytes == 32 * MIB and config.cycle_time_ms == 2.5
     assert config.heartbeat_interval_s == 0.5 and config.heartbeat_timeout_s == 20
-    assert tuning_environment() == {}
-    assert tuning_environment(fusion_threshold_mb=0.5)["RINGMASTER_FUSION_THRESHOLD"] == str(MIB // 2)
+    assert tuning_environment({}) == {} and tuning_environment({"cycle_time_ms": None, "autotune": False}) == {}
+    assert tuning_environment({"fusion_threshold_mb": 0.5})["RINGMASTER_FUSION_THRESHOLD"] == str(MIB // 2)
+    with pytest.raises(TypeError, match="not ringrun setting flags: start_timeout_s"):
+        tuning_environment({"start_timeout_s": 3})
 
 
 def test_base_environment_drops_outer_job_and_validates():
@@ -421,3 +423,52 @@ def test_ringrun_np_4_without_hosts_runs_4_ranks_here():
     assert result.returncode == 0, result.output[-3000:]
     assert result.lines_starting("size") == [str(os.cpu_count() + 2)] * (os.cpu_count() + 2)
     assert "ranks share cores" in result.stderr
+
+
+# ---------------------------------------------------------------- settings defined once
+
+def _flag_value(setting):
+    """A value of ``setting``'s flag that is not its default (in the flag's units)."""
+    if setting.switch:
+        return None
+    if setting.choices:
+        return next(choice for choice in setting.choices if choice != setting.default)
+    examples = {"--timeline-filename": "timeline.json", "--autotune-log-file": "tune.csv",
+                "--network-interface": "lo", "--background-nice": "7", "--max-message-mb": "2",
+                "--fusion-threshold-mb": "0.5"}
+    return examples.get(setting.flag, "3")
+
+
+def test_every_setting_flag_sets_its_variable_and_field():
+    """Each flag of common.config.SETTINGS reaches its Config field through its variable, in
+    the flag's units; its help states the field's default."""
+    from ringmaster.common.config import MIB, SETTINGS
+    from ringmaster.launch.cli import build_parser
+    from ringmaster.launch.setting_flags import default_text
+
+    helps = {flag: action.help for action in build_parser()._actions for flag in action.option_strings}
+    flagged = [setting for setting in SETTINGS if setting.flag is not None]
+    assert len(flagged) >= 19
+    for setting in flagged:
+        value = _flag_value(setting)
+        args = parse_args([setting.flag] + ([] if value is None else [value]) + ["python", "x.py"])
+        env = tuning_environment({setting.dest: getattr(args, setting.dest)})
+        assert list(env) == [setting.variable], setting.flag
+        field = getattr(validated_config(env), setting.field)
+        expected = True if setting.switch else (float(value) * MIB if setting.unit == MIB else setting.parse(value))
+        assert field == expected, (setting.flag, field, expected)
+        if default_text(setting) is not None:
+            assert f"default {default_text(setting)}" in helps[setting.flag], setting.flag
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["--cycle-time-ms", "-1"], "--cycle-time-ms: '-1' is invalid: must be >= 0"),
+    (["--background-nice", "25"], "'25' is invalid: must be a whole number from 0 to 19"),
+    (["--max-message-mb", "0.01"], "must be a number of bytes from 65536"),
+    (["--fusion-threshold-mb", "lots"], "expected a number, got 'lots'"),
+    (["--cache-capacity", "70000"], "must be a whole number from 0 (no cache) to 65536"),
+])
+def test_a_bad_setting_flag_gives_the_variables_reason(argv, reason):
+    with pytest.raises(LaunchError) as caught:
+        parse_args(argv + ["python", "x.py"])
+    assert reason in str(caught.value), str(caught.value)
