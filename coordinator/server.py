@@ -31,13 +31,12 @@ from ringmaster.common.config import Config
 from ringmaster.common import keepalive
 from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.coordinator.auth import TokenInterceptor
-from ringmaster.coordinator.negotiation import Negotiator, Stall
+from ringmaster.coordinator.generation import Generation
+from ringmaster.coordinator.negotiation import Stall
 from ringmaster.coordinator.outgoing import response_lists
-from ringmaster.coordinator.plan_stalls import PlanStalls
 from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
 from ringmaster.coordinator.stall_report import in_set as _in_set
 from ringmaster.coordinator.stall_report import shutdown_reason, warning_lines
-from ringmaster.coordinator.cache_stalls import CacheStalls
 from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
 from ringmaster.coordinator.cache_stalls import describe_slow as describe_slow_cache_cycle
 from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown, tuning_problem
@@ -87,15 +86,7 @@ class Coordinator:
         self._unregistered: Set[RankSession] = set()
         self._refusals = RefusalLog()
         self._refused_registrations: "collections.deque" = collections.deque(maxlen=REFUSALS_KEPT)
-        self._negotiator = self._new_negotiator()
-        self._plan_stalls = self._new_plan_stalls()
-        self._cache_stalls = CacheStalls(stale_after_s=3 * self.config.heartbeat_interval_s)
-        self._slow_cycle_warned = -1  # the last cache cycle warned about as slow (not stuck)
-        self._sequence = 0
-        self._cycle_time_ms = config.cycle_time_ms  # rank 0's autotuner may change it (_on_tuning)
-        self._welcomed = False
-        self._generation_started = time.monotonic()
-        self._flush_scheduled: Optional[asyncio.TimerHandle] = None
+        self._generation = Generation.start(size, config)  # per-generation state: coordinator/generation.py
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stopping: Optional[asyncio.Event] = None
         self._started = threading.Event()
@@ -223,32 +214,32 @@ class Coordinator:
             self._breach(session, f"sent {which} after its goodbye")
         elif which == "requests":
             for request in message.requests.requests:
-                self._negotiator.add_request(session.rank, request)
+                self._generation.negotiator.add_request(session.rank, request)
         elif which == "heartbeat":
             problem = heartbeat_problem(message.heartbeat)
             if problem is not None:
                 self._breach(session, f"sent a heartbeat with {problem.describe()}")
                 return
-            self._plan_stalls.report(session.rank, message.heartbeat.plans)
+            self._generation.plan_stalls.report(session.rank, message.heartbeat.plans)
             if message.heartbeat.HasField("cache"):
-                self._cache_stalls.report(session.rank, message.heartbeat.cache)
+                self._generation.cache_stalls.report(session.rank, message.heartbeat.cache)
         elif which == "goodbye":
             session.said_goodbye = True
             session.close()
-            self._negotiator.depart(session.rank, f"host {shown(session.hostname)}, pid {session.pid}")
-            self._plan_stalls.forget(session.rank)
-            self._cache_stalls.forget(session.rank)
+            self._generation.negotiator.depart(session.rank, f"host {shown(session.hostname)}, pid {session.pid}")
+            self._generation.plan_stalls.forget(session.rank)
+            self._generation.cache_stalls.forget(session.rank)
         elif which == "tuning":
             self._on_tuning(session, message.tuning)
 
     def _after_input(self) -> None:
         """Send what is ready, or, while other tensors are still arriving, wait one cycle to fuse."""
-        if not self._negotiator.has_ready():
+        if not self._generation.negotiator.has_ready():
             return
-        cycle = self._cycle_time_ms / 1000.0
-        if self._negotiator.has_partial() and cycle > 0:
-            if self._flush_scheduled is None:
-                self._flush_scheduled = self._loop.call_later(cycle, self._send_ready)
+        cycle = self._generation.cycle_time_ms / 1000.0
+        if self._generation.negotiator.has_partial() and cycle > 0:
+            if self._generation.flush_scheduled is None:
+                self._generation.flush_scheduled = self._loop.call_later(cycle, self._send_ready)
             return
         self._send_ready()
 
@@ -264,11 +255,11 @@ class Coordinator:
             self._breach(session, f"sent autotuning settings with {problem.describe()}")
             return
         self._send_ready()
-        self._negotiator.fusion_threshold_bytes = tuning.fusion_threshold_bytes
-        self._cycle_time_ms = tuning.cycle_time_ms
-        self._sequence += 1
+        self._generation.negotiator.fusion_threshold_bytes = tuning.fusion_threshold_bytes
+        self._generation.cycle_time_ms = tuning.cycle_time_ms
+        self._generation.sequence += 1
         response = pb.Response(op_type=pb.AUTOTUNE, names=[f"autotune.{tuning.trial}"], tuning=tuning)
-        self._broadcast(pb.CoordinatorMessage(responses=pb.ResponseList(sequence=self._sequence,
+        self._broadcast(pb.CoordinatorMessage(responses=pb.ResponseList(sequence=self._generation.sequence,
                                                                          responses=[response])))
 
     def _on_register(self, session: RankSession, register: pb.Register) -> None:
@@ -308,7 +299,7 @@ class Coordinator:
             for rank in sorted(self._sessions):
                 s = self._sessions[rank]
                 welcome.ranks.add(rank=rank, hostname=s.hostname, pid=s.pid)
-            self._welcomed = True
+            self._generation.welcomed = True
             self._broadcast(pb.CoordinatorMessage(welcome=welcome))
             if self.on_welcome is not None:
                 self.on_welcome(self.size)
@@ -356,22 +347,14 @@ class Coordinator:
         if not self.persistent:
             self._finish()
             return
-        self._negotiator = self._new_negotiator()
-        self._plan_stalls = self._new_plan_stalls()
-        self._cache_stalls = CacheStalls(stale_after_s=3 * self.config.heartbeat_interval_s)
-        self._sequence = 0
-        self._cycle_time_ms = self.config.cycle_time_ms
-        self._welcomed = False
-        self._generation_started = time.monotonic()
+        self._generation = Generation.start(self.size, self.config, self._generation, keep_tuning=False)
 
     # -------------------------------------------------------------- output
     def _send_ready(self) -> None:
-        if self._flush_scheduled is not None:
-            self._flush_scheduled.cancel()
-            self._flush_scheduled = None
-        for responses in response_lists(self._negotiator.pop_ready(), self.config.max_message_bytes):
-            self._sequence += 1
-            self._broadcast(pb.CoordinatorMessage(responses=pb.ResponseList(sequence=self._sequence,
+        self._generation.cancel_flush()
+        for responses in response_lists(self._generation.negotiator.pop_ready(), self.config.max_message_bytes):
+            self._generation.sequence += 1
+            self._broadcast(pb.CoordinatorMessage(responses=pb.ResponseList(sequence=self._generation.sequence,
                                                                              responses=responses)))
 
     def _broadcast(self, message: pb.CoordinatorMessage) -> None:
@@ -408,24 +391,14 @@ class Coordinator:
         """An elastic job lost a rank: the survivors shrink their communicator and register again."""
         log.info("waiting for the surviving ranks to register again as a smaller job")
         self._adopt_size = True
-        self._new_generation()
+        self._generation = Generation.start(self.size, self.config, self._generation, keep_tuning=True)
 
     def _adopt(self, size: int) -> None:
+        """The first survivor's registration gives the re-formed job's size."""
         log.info("the job goes on with %d ranks", size)
         self.size = size
         self._adopt_size = False
-        self._negotiator = self._new_negotiator()
-
-    def _new_generation(self) -> None:
-        if self._flush_scheduled is not None:
-            self._flush_scheduled.cancel()
-            self._flush_scheduled = None
-        self._negotiator = self._new_negotiator()
-        self._plan_stalls = self._new_plan_stalls()
-        self._cache_stalls = CacheStalls(stale_after_s=3 * self.config.heartbeat_interval_s)
-        self._sequence = 0
-        self._welcomed = False
-        self._generation_started = time.monotonic()
+        self._generation = Generation.start(size, self.config, self._generation, keep_tuning=True)
 
     # -------------------------------------------------------------- health
     async def _housekeeping(self) -> None:
@@ -459,8 +432,8 @@ class Coordinator:
         for session in [s for s in self._unregistered if now - s.opened > self.config.start_timeout_s]:
             self._refuse(session, f"{session.describe()} did not register within {self.config.start_timeout_s:g} s "
                          f"(RINGMASTER_START_TIMEOUT); its stream was closed and the job goes on")
-        if not self._welcomed:
-            if self._sessions and now - self._generation_started > self.config.start_timeout_s:
+        if not self._generation.welcomed:
+            if self._sessions and now - self._generation.started > self.config.start_timeout_s:
                 missing = [r for r in range(self.size) if r not in self._sessions]
                 refused = "".join(f"; {refusal}" for refusal in self._refused_registrations)
                 self._abort_job(pb.START_TIMEOUT, f"ranks {missing} did not connect to the coordinator within "
@@ -501,18 +474,19 @@ class Coordinator:
                                 session.rank, session.hostname)
                 return
         if self.config.cache_stall_s > 0:
-            cache_stall = self._cache_stalls.stall(self.size, self.config.cache_stall_s)
+            cache_stall = self._generation.cache_stalls.stall(self.size, self.config.cache_stall_s)
             if cache_stall is not None and cache_stall.never_entered:
                 self._abort_job(pb.STALLED, f"{describe_cache_stall(cache_stall, self._host_of)} "
                                 f"(RINGMASTER_CACHE_STALL_S={self.config.cache_stall_s:g})", -1,
                                 stalled_ranks=cache_stall.missing_ranks)
                 return
-            if cache_stall is not None and cache_stall.cycle != self._slow_cycle_warned:
-                self._slow_cycle_warned = cache_stall.cycle
+            if cache_stall is not None and cache_stall.cycle != self._generation.slow_cycle_warned:
+                self._generation.slow_cycle_warned = cache_stall.cycle
                 log.warning("%s", describe_slow_cache_cycle(cache_stall, self._host_of))
         for line in warning_lines(self._stalls(self.config.stall_warning_s), self._host_of):
             log.warning("%s", line)
-        for stall in self._plan_stalls.stalls(self.config.stall_warning_s, self._negotiator.set_ranks):
+        generation = self._generation
+        for stall in generation.plan_stalls.stalls(self.config.stall_warning_s, generation.negotiator.set_ranks):
             log.warning("stall: %s", self._describe_plan_stall(stall))
         if self.config.stall_shutdown_s > 0:
             stalls = self._stalls(self.config.stall_shutdown_s, only_new=False)
@@ -521,8 +495,8 @@ class Coordinator:
                 self._abort_job(pb.STALLED, shutdown_reason(stalls, self.config.stall_shutdown_s), -1,
                                 stalled_ranks=stalls[0].missing_ranks)
                 return
-            for stall in self._plan_stalls.stalls(self.config.stall_shutdown_s, self._negotiator.set_ranks,
-                                                  only_new=False):
+            for stall in generation.plan_stalls.stalls(self.config.stall_shutdown_s, generation.negotiator.set_ranks,
+                                                       only_new=False):
                 self._abort_job(pb.STALLED, f"{self._describe_plan_stall(stall)} "
                                 f"(RINGMASTER_STALL_SHUTDOWN_S={self.config.stall_shutdown_s:g})", -1,
                                 stalled_ranks=stall.missing_ranks)
@@ -530,19 +504,11 @@ class Coordinator:
 
     def _stalls(self, older_than_s: float, only_new: bool = True):
         """The negotiator's stalls, but not join()'s while a joined rank serves a gradient plan."""
-        stalls = self._negotiator.stalls(older_than_s, only_new)
+        stalls = self._generation.negotiator.stalls(older_than_s, only_new)
         if any(stall.kind == "join" for stall in stalls):
-            serving = self._plan_stalls.serving_ranks()
+            serving = self._generation.plan_stalls.serving_ranks()
             stalls = [s for s in stalls if not (s.kind == "join" and serving.intersection(s.waiting_ranks))]
         return stalls
-
-    def _new_negotiator(self) -> Negotiator:
-        return Negotiator(self.size, self.config.fusion_threshold_bytes,
-                          max_pending_requests=self.config.max_pending_requests)
-
-    def _new_plan_stalls(self) -> PlanStalls:
-        # A rank waiting in a plan is idle on its stream, so it sends a heartbeat every interval.
-        return PlanStalls(stale_after_s=3 * self.config.heartbeat_interval_s)
 
     def _describe_plan_stall(self, stall: Stall) -> str:
         where = f"gradient plan '{stall.name}'{_in_set(stall)}: ranks {stall.waiting_ranks} have waited " \
