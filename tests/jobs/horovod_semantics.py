@@ -655,6 +655,14 @@ def integers_section():
         result = rm.allreduce(signed, op=rm.Average)
         check("int Average truncates toward zero", result,
               np.trunc(np.array([-3, -1, 1, 3, -7]) / SIZE).astype(np.int32), torch.int32)
+        # the sparse allreduce's Average divides each rank's entries, truncating the same way
+        sparse = torch.sparse_coo_tensor([[0, 2, 4]], torch.tensor([-3, 5, -7], dtype=torch.int64) * (RANK + 1),
+                                         (6,))
+        dense = rm.sparse_allreduce_async(sparse, name="int sparse average", op=rm.Average)().coalesce().to_dense()
+        expected = np.zeros(6)
+        for rank in range(SIZE):
+            expected[[0, 2, 4]] += np.trunc(np.array([-3, 5, -7]) * (rank + 1) / SIZE)
+        check("int sparse Average truncates each entry toward zero", dense, expected.astype(np.int64), torch.int64)
     run("int exact", exact)
 
     for what, call in {

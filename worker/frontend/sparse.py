@@ -51,7 +51,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op=
 
     def combine(all_indices, all_values):
         if divide:
-            all_values = all_values / size if all_values.dtype.is_floating_point else all_values // size
+            all_values = all_values / size if all_values.dtype.is_floating_point else torch.div(
+                all_values, size, rounding_mode="trunc")  # as the dense Average: toward zero
         return torch.sparse_coo_tensor(all_indices.t(), all_values, shape, check_invariants=True)
 
     return SparseAllreduceHandle(state.handles.new_derived(base, [indices, values], combine).id)
