@@ -34,8 +34,9 @@ WIRE_ITEMSIZE = {
 }
 #: The dtypes the ranks can reduce (allreduce, reducescatter); the others only move bytes.
 REDUCIBLE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
-#: The reductions the ranks can run (Adasum is refused by the ranks' own API).
-RUNNABLE_REDUCTIONS = (pb.AVERAGE, pb.SUM, pb.MIN, pb.MAX, pb.PRODUCT)
+#: The reductions the ranks can run; Adasum only in an allreduce of floating-point tensors.
+RUNNABLE_REDUCTIONS = (pb.AVERAGE, pb.SUM, pb.MIN, pb.MAX, pb.PRODUCT, pb.ADASUM)
+FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 #: Ops that carry a tensor (dtype, shape, device); the others are control requests.
 DATA_OPS = (pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL, pb.REDUCESCATTER, pb.BARRIER)
@@ -235,6 +236,8 @@ def _tensor_problem(request: pb.TensorRequest) -> Optional[Problem]:
             return Problem("reduce_op", REDUCE_NAMES[request.reduce_op], "not supported by ringmaster's ranks")
         if dtype == "bool" and request.reduce_op == pb.AVERAGE:
             return Problem("reduce_op", "Average", "undefined for bool tensors")
+        if request.reduce_op == pb.ADASUM and (op != pb.ALLREDUCE or dtype not in FLOATING_DTYPES):
+            return Problem("reduce_op", "Adasum", "runs in an allreduce of floating-point tensors only")
     return None
 
 

@@ -8,12 +8,14 @@ matching arguments, in the same order, as with MPI itself.
 * :func:`mpi_allreduce` — ``MPI_Allreduce(MPI_IN_PLACE, ...)``; :func:`start_allreduce`
   starts the same call for a small buffer and returns its request.
 * :func:`quantized_ring_allreduce` — the ring moving a codec's 8-bit encoding (float32).
+* :func:`adasum_allreduce` — Adasum's pairwise tree by recursive halving, per fused tensor.
 * :func:`allgatherv`, :func:`broadcast`, :func:`alltoallv`, :func:`reducescatter`.
 
 Supported dtypes: float16, float32, float64, int32, int64, uint8, bool; ops: "sum",
 "min", "max", "prod" (on bool: sum/max = logical or, prod/min = logical and).
 """
 
+from .adasum import adasum_allreduce
 from .allreduce import allreduce, choose_algorithm, ring_min_bytes
 from .dtypes import SUPPORTED_DTYPES, SUPPORTED_OPS
 from .mpi_collectives import (allgatherv, alltoallv, broadcast, can_start_allreduce, mpi_allreduce, reducescatter,
@@ -26,6 +28,7 @@ __all__ = [
     "NETWORK_SEGMENT_BYTES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_OPS",
+    "adasum_allreduce",
     "allgatherv",
     "allreduce",
     "alltoallv",

@@ -74,7 +74,7 @@ BAD_FIELDS = [
     ({"group_size": 3}, "group_size = 3: set without a group name"),
     ({"process_set_id": -3}, "process_set_id = -3"),
     ({"prescale_factor": math.nan}, "prescale_factor = nan"),
-    ({"reduce_op": pb.ADASUM}, "reduce_op = Adasum"),
+    ({"reduce_op": pb.ADASUM, "dtype": "int32"}, "reduce_op = Adasum: runs in an allreduce of floating-point"),
     ({"dtype": "int8"}, "allreduce reduces"),
     ({"device": "x" * 100}, "device = "),
 ]

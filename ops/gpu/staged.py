@@ -16,7 +16,7 @@ length), so the chunk collectives match across ranks.
 Naive staging (whole buffer down, MPI, whole buffer up) of 64 MiB at 2 ranks on an H100
 took 32.5 ms against 24.3 ms for the same MPI allreduce on host memory (1.34x); see
 docs/benchmarks.md for the pipelined figures. The other collectives (allgather,
-broadcast, alltoall, reducescatter, the 8-bit ring) move their whole buffers down and up
+broadcast, alltoall, reducescatter, the 8-bit ring, Adasum) move their whole buffers down and up
 around the host collective: they are data movement of modest size in training.
 """
 
@@ -27,6 +27,7 @@ from typing import List
 import numpy as np
 
 from ringmaster.ops import mpi_collectives
+from ringmaster.ops.adasum import adasum_allreduce
 from ringmaster.ops.allreduce import allreduce as host_allreduce
 from ringmaster.ops.quantized_ring import quantized_ring_allreduce
 from ringmaster.ops.ring import DEFAULT_SEGMENT_BYTES, chunk_bounds
@@ -94,6 +95,12 @@ class StagedTransport:
         """The 8-bit ring (float32 ``array``), run on a host copy of the buffer."""
         host = self._down(array)
         quantized_ring_allreduce(self.comm, host, codec, scale=scale)
+        self._up(host, array)
+
+    def adasum_allreduce(self, array, edges, wire=None) -> None:
+        """Adasum (``ringmaster.ops.adasum``, float32 or float64 ``array``) on a host copy."""
+        host = self._down(array)
+        adasum_allreduce(self.comm, host, edges, wire)
         self._up(host, array)
 
     def allgatherv(self, send, recv, counts) -> None:

@@ -37,6 +37,7 @@ Max = pb.MAX
 Product = pb.PRODUCT
 
 _REDUCE_OPS = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product"}
+_OP_NAMES = {**_REDUCE_OPS, Adasum: "Adasum"}
 
 _name_counters = defaultdict(itertools.count)
 _name_lock = threading.Lock()
@@ -68,15 +69,19 @@ def _check_tensor(tensor, what: str) -> torch.Tensor:
     return tensor.detach()
 
 
-def _resolve_op(average, op, what: str) -> int:
+def _resolve_op(average, op, what: str, adasum: bool = False) -> int:
+    """The reduction of ``op`` (or of the deprecated ``average``); ``adasum``: the call is an
+    allreduce, where ``Adasum`` may be asked for."""
     if op is not None and average is not None:
         raise ValueError(f"{what}: pass either op= or the deprecated average=, not both")
     if op is None:
         op = Sum if average is False else Average
-    if op == Adasum:
-        raise NotImplementedError(f"{what}: op=Adasum is not supported by ringmaster; use Average or Sum")
-    if op not in _REDUCE_OPS:
-        raise ValueError(f"{what}: op={op!r} is not a reduction; use ringmaster.Average, Sum, Min, Max or Product")
+    if op == Adasum and not adasum:
+        raise ValueError(f"{what}: op=Adasum combines whole gradients and runs in allreduce only; use "
+                         f"Average, Sum, Min, Max or Product here")
+    if op not in _REDUCE_OPS and op != Adasum:
+        raise ValueError(f"{what}: op={op!r} is not a reduction; use ringmaster.Average, Sum, Adasum, Min, "
+                         f"Max or Product")
     return op
 
 
@@ -85,6 +90,9 @@ def _check_reduction(tensor: torch.Tensor, op: int, prescale: float, postscale: 
         names = ", ".join(str(d).replace("torch.", "") for d in REDUCIBLE_DTYPES)
         raise TypeError(f"{what}: reductions of {tensor.dtype} are not supported; use one of {names} "
                         f"(e.g. tensor.to(torch.int32)); allgather, broadcast and alltoall take any dtype")
+    if op == Adasum and not tensor.is_floating_point():
+        raise TypeError(f"{what}: op=Adasum scales tensors by their dot products and needs floating-point "
+                        f"tensors, got {tensor.dtype}; use Sum or Average for integers")
     if tensor.dtype == torch.bool and op in (Average,):
         raise TypeError(f"{what}: op=Average is undefined for bool tensors; use Sum (logical or), "
                         f"Product or Min (logical and), or Max")
@@ -137,10 +145,10 @@ def submit_allreduce(tensors: Sequence[torch.Tensor], *, what: str, single: bool
     ``flush``: the caller waits next; ``wire_format`` ("int8", "linear8") makes the ring move
     8-bit codes. The other arguments are those of :func:`allreduce_async`.
     """
-    op = _resolve_op(average, op, what)
+    op = _resolve_op(average, op, what, adasum=True)
     if wire_format and op not in (Average, Sum):
         raise ValueError(f"{what}: the {wire_format} wire format reduces with op=Average or op=Sum, not "
-                         f"{_REDUCE_OPS.get(op, op)}; use Compression.none for {_REDUCE_OPS.get(op, op)}")
+                         f"{_OP_NAMES.get(op, op)}; use Compression.none or fp16 for {_OP_NAMES.get(op, op)}")
     state = runtime()
     set_id = member_set(process_set, what).process_set_id
     if not single and not tensors:

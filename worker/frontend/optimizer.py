@@ -22,6 +22,7 @@ import torch
 
 from ringmaster.worker.compression.compressors import Compression, wire_format
 from ringmaster.worker.frontend import collectives
+from ringmaster.worker.frontend.adasum_optimizer import _DistributedAdasumOptimizer
 from ringmaster.worker.frontend.calibration import calibrated
 from ringmaster.worker.frontend.differentiable import allreduce
 from ringmaster.worker.frontend.local_parameters import is_local
@@ -459,7 +460,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             ``linear8`` (8-bit codes on the wire), or a sparsifier built for this optimizer,
             ``Compression.rgc(...)`` (residual gradient compression) or ``topk(...)``.
         backward_passes_per_step: backward passes accumulated locally before one allreduce.
-        op: ``Average`` (default), ``Sum`` or ``Adasum`` (not supported).
+        op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank steps on its own
+            gradients and the parameters' changes are combined with Adasum, as in Horovod
+            (``ringmaster.worker.frontend.adasum_optimizer``; do not scale the learning rate
+            by the number of ranks).
         gradient_predivide_factor: with ``Average``, divide gradients by this factor before
             the sum and by ``size / factor`` after it.
         num_groups: Horovod's older spelling of an integer ``groups`` (used when ``groups`` is None).
@@ -481,11 +485,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         groups = num_groups
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
+    if op not in (collectives.Average, collectives.Sum, collectives.Adasum):
+        raise ValueError(f"DistributedOptimizer: op must be ringmaster.Average, Sum or Adasum, got {op!r}")
     if op == collectives.Adasum:
-        raise NotImplementedError("DistributedOptimizer: op=Adasum is not supported by ringmaster; "
-                                  "use Average or Sum")
-    if op not in (collectives.Average, collectives.Sum):
-        raise ValueError(f"DistributedOptimizer: op must be ringmaster.Average or ringmaster.Sum, got {op!r}")
+        _check_adasum_use(compression, groups, sparse_as_dense)
     if op != collectives.Average and gradient_predivide_factor != 1.0:
         raise ValueError("gradient_predivide_factor applies to op=Average only")
     if not gradient_predivide_factor > 0:
@@ -506,7 +509,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                       "optimizer. Create LR schedulers on the optimizer DistributedOptimizer returns",
                       stacklevel=2)
     base = type(optimizer)
-    cls = type(base.__name__, (base,), {name: value for name, value in vars(_DistributedOptimizer).items()
+    mixin = _DistributedAdasumOptimizer if op == collectives.Adasum else _DistributedOptimizer
+    cls = type(base.__name__, (base,), {name: value for name, value in vars(mixin).items()
                                          if not name.startswith("__")})
     cls._ringmaster_base = cls
     wrapped = cls.__new__(cls)
@@ -519,9 +523,30 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise TypeError(f"process_set must be a ringmaster.ProcessSet, got {type(process_set).__name__}")
     if process_set.process_set_id is None:
         raise ValueError(f"{process_set!r} is not registered; pass it to ringmaster.add_process_set() first")
+    if op == collectives.Adasum:
+        runtime()  # must be initialized
+        wrapped._setup_adasum(_parameter_names(wrapped.param_groups, named_parameters), compression,
+                              backward_passes_per_step, process_set)
+        return wrapped
     wrapped._setup(named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return wrapped
+
+
+def _check_adasum_use(compression, groups, sparse_as_dense) -> None:
+    """What op=Adasum cannot be combined with, refused before anything starts."""
+    if _is_sparsifier(compression):
+        raise ValueError(f"DistributedOptimizer: {type(compression).__name__} sparsifies gradients and averages "
+                         f"them; op=Adasum combines whole parameter updates: use one or the other")
+    if wire_format(compression, torch.zeros(1)):
+        raise ValueError("DistributedOptimizer: 8-bit compression reduces with op=Average or op=Sum; with "
+                         "op=Adasum use Compression.none or Compression.fp16")
+    if groups is not None:
+        raise ValueError("DistributedOptimizer: groups= fuses gradient allreduces; with op=Adasum the parameters' "
+                         "changes are combined in step(), fused by the coordinator: leave groups=None")
+    if sparse_as_dense:
+        raise ValueError("DistributedOptimizer: sparse_as_dense concerns gradient allreduces; with op=Adasum "
+                         "the parameters' (dense) changes are combined: leave it False")
 
 
 def _check_sparsifier_use(compression, optimizer, op, gradient_predivide_factor, groups) -> None:

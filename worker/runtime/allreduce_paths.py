@@ -9,9 +9,11 @@ only ``_take``, ``_complete``, ``algorithm``, ``autotune`` and ``_fusion``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from ringmaster import ops
@@ -35,6 +37,9 @@ class AllreducePaths:
     def _allreduce(self, response: pb.Response, group: SetComm, device) -> None:
         if response.compression:
             self._allreduce_quantized(response, group, device)
+            return
+        if response.reduce_op == pb.ADASUM:
+            self._allreduce_adasum(response, group, device)
             return
         dtype = SUPPORTED_DTYPES[response.dtype]
         entries = [self._take(response, name, device) for name in response.names]
@@ -101,6 +106,31 @@ class AllreducePaths:
         with timeline.span(response.names, f"QUANTIZED_RING_ALLREDUCE_{response.compression.upper()}"):
             device.transport(group).quantized_allreduce(device.array(buffer), _ring_codec(response.compression),
                                                         scale=scale)
+        for entry, result in _copy_out(entries, buffer, sizes, shapes, dtype):
+            self._complete(entry, result, device)
+
+    def _allreduce_adasum(self, response: pb.Response, group: SetComm, device) -> None:
+        """Adasum (``ringmaster.ops.adasum``): every tensor of the response in one buffer of
+        float32 (float64 for float64 tensors), each combined on its own; float16 tensors travel
+        as float16 (the wire of ``Compression.fp16``). A joined rank adds zeros, which Adasum
+        leaves out. Prescale before, postscale after; no division (Adasum is no average)."""
+        dtype = SUPPORTED_DTYPES[response.dtype]
+        entries = [self._take(response, name, device) for name in response.names]
+        shapes = [tuple(shape.dims) for shape in response.shapes]
+        sizes = [math.prod(shape) for shape in shapes]
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        buffer = self._fusion_buffer(work, sum(sizes), device)
+        for entry, part in zip(entries, buffer.split(sizes)):
+            if entry is None:
+                part.zero_()
+            else:
+                part.copy_(entry.tensor.reshape(-1))
+        _scale_(buffer, response.prescale_factor)
+        edges = [0] + list(itertools.accumulate(sizes))
+        wire = np.float16 if dtype == torch.float16 else None
+        with timeline.span(response.names, "ADASUM_ALLREDUCE"):
+            device.transport(group).adasum_allreduce(device.array(buffer), edges, wire)
+        _scale_(buffer, response.postscale_factor)
         for entry, result in _copy_out(entries, buffer, sizes, shapes, dtype):
             self._complete(entry, result, device)
 

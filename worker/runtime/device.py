@@ -86,6 +86,9 @@ class HostTransport:
     def quantized_allreduce(self, array, codec, scale=None) -> None:
         ops.quantized_ring_allreduce(self.comm, array, codec, scale=scale)
 
+    def adasum_allreduce(self, array, edges, wire=None) -> None:
+        ops.adasum_allreduce(self.comm, array, edges, wire)
+
     def allgatherv(self, send, recv, counts) -> None:
         recv[:] = ops.allgatherv(self.comm, send, counts)
 
