@@ -15,6 +15,9 @@ round by round in the same processes, so that load on a shared machine hits all 
 - ``ringmaster``: ``rm.DistributedOptimizer`` (gradients allreduced from hooks during backward);
 - ``rm-no-cache``: the same with the response cache switched off (as ``RINGMASTER_CACHE_CAPACITY=0``),
   so that what the cache costs or saves in training shows in the same run;
+- ``rm-adasum``: ``rm.DistributedOptimizer(op=rm.Adasum)``: each rank steps on its own
+  gradients and the parameters' changes are combined with Adasum in ``step()`` (no overlap
+  with backward; its cost against ``ringmaster``'s Average is what this mode shows);
 - ``ddp-gloo``: ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group;
 - ``naive-mpi``: after backward, one blocking mpi4py ``Allreduce`` per gradient (no overlap,
   no fusion, no negotiation): the simplest correct loop, for reference.
@@ -50,7 +53,7 @@ from ringmaster.worker.runtime import current
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 import benchmark_models  # examples/benchmark_models.py
 
-MODES = ("no-comm", "sync-only", "ringmaster", "rm-no-cache", "ddp-gloo", "naive-mpi")
+MODES = ("no-comm", "sync-only", "ringmaster", "rm-no-cache", "rm-adasum", "ddp-gloo", "naive-mpi")
 
 
 def progress(text):
@@ -149,8 +152,9 @@ def make_trainers(model_name, batch_size, comm, modes=MODES):
         torch.manual_seed(0)
         model = benchmark_models.create(model_name)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if mode in ("ringmaster", "rm-no-cache"):
-            optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        if mode in ("ringmaster", "rm-no-cache", "rm-adasum"):
+            optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                op=rm.Adasum if mode == "rm-adasum" else rm.Average)
             rm.broadcast_parameters(model.state_dict(), root_rank=0)
             trainers[mode] = RingmasterTrainer(model, optimizer, batch)
         elif mode == "ddp-gloo":
@@ -179,11 +183,12 @@ def measure(trainers, rounds, steps, warmup, model_name):
         use_cache(mode != "rm-no-cache")
         for _ in range(warmup):
             trainer.step()
-    times = {mode: [] for mode in MODES}
+    modes = list(trainers)
+    times = {mode: [] for mode in modes}
     for round_index in range(rounds):
         progress(f"{model_name}: round {round_index + 1}/{rounds}")
-        shift = round_index % len(MODES)  # no mode always runs right after the same other one
-        for mode in MODES[shift:] + MODES[:shift]:
+        shift = round_index % len(modes)  # no mode always runs right after the same other one
+        for mode in modes[shift:] + modes[:shift]:
             rm.barrier()
             use_cache(mode != "rm-no-cache")
             local = []
@@ -284,7 +289,13 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode first")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--trace", action="store_true", help="also trace one ringmaster step per model")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, from {', '.join(MODES)} (no-comm is always run: the baseline)")
     args = parser.parse_args()
+    modes = ["no-comm"] + [mode for mode in args.modes.split(",") if mode != "no-comm"]
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
 
     rm.init()
     torch.set_num_threads(args.threads)
@@ -294,11 +305,11 @@ def main():
     naive_comm = MPI.COMM_WORLD.Dup()  # the naive loop's own traffic, apart from ringmaster's
     rows, traces = [], []
     for model_name in args.models.split(","):
-        trainers = make_trainers(model_name, args.batch_size, naive_comm)
+        trainers = make_trainers(model_name, args.batch_size, naive_comm, modes)
         medians = measure(trainers, args.rounds, args.steps, args.warmup, model_name)
         parameters = benchmark_models.parameter_count(trainers["no-comm"].model)
         rows.extend((model_name, parameters, mode, seconds) for mode, seconds in medians.items())
-        if args.trace:
+        if args.trace and "ringmaster" in trainers:
             progress(f"{model_name}: tracing one ringmaster step")
             traces.append(format_trace(model_name, *record_step(trainers["ringmaster"])))
         del trainers

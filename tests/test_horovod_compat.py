@@ -36,6 +36,21 @@ def test_the_horovod_script_with_fp16_allreduce():
     assert len(accuracies) == 3 and accuracies[-1] > 85.0, result.stdout
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np,fp16", [(2, False), (3, True), (4, False)])
+def test_the_horovod_script_with_adasum(np, fp16):
+    """Horovod's --use-adasum (learning rate not scaled), also with --fp16-allreduce, which
+    Horovod's PyTorch refuses, and at 3 ranks, which Horovod refuses."""
+    args = ["--use-adasum"] + (["--fp16-allreduce"] if fp16 else [])
+    result = ringrun(np, horovod_script_with_ringmaster(), timeout=140, ringrun_args=["--oversubscribe"], args=args)
+    assert result.returncode == 0, result.output[-4000:]
+    accuracies = [float(a) for a in re.findall(r"accuracy ([0-9.]+)%", result.stdout)]
+    assert len(accuracies) == 3 and accuracies[-1] > 85.0, result.stdout
+    agreed = result.lines_starting("rank ")
+    assert len(agreed) == np and all(f"saw {np} ranks, weights identical: True" in line for line in agreed), \
+        result.output[-3000:]
+
+
 # Three wide hidden layers: the plan's buckets are [head fused, 1.4 MB, bias, 1.4 MB, first layer];
 # with only small buckets started from the hooks, step() reduces the rest last produced first.
 WIDE = {"UNEVEN_HIDDEN": "600", "UNEVEN_HIDDEN_LAYERS": "3"}

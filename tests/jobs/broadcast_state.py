@@ -240,7 +240,10 @@ refuses("set_backward_passes_per_step(0)", lambda: positional.set_backward_passe
         ["backward_passes_per_step"])
 refuses("a parameter in two groups", lambda: rm.DistributedOptimizer(
     sgd(), groups=[[params["0.weight"]], [params["0.weight"]]]), ValueError, ["more than one group"])
-refuses("Adasum", lambda: rm.DistributedOptimizer(sgd(), op=rm.Adasum), NotImplementedError, ["Adasum"])
+refuses("Adasum with groups", lambda: rm.DistributedOptimizer(sgd(), op=rm.Adasum, groups=2), ValueError,
+        ["groups", "Adasum"])
+refuses("an op that is no reduction", lambda: rm.DistributedOptimizer(sgd(), op=rm.Min), ValueError,
+        ["Average, Sum or Adasum"])
 refuses("not an optimizer", lambda: rm.DistributedOptimizer(model), TypeError, ["torch.optim.Optimizer"])
 refuses("wrapped twice", lambda: rm.DistributedOptimizer(rm.DistributedOptimizer(sgd())), ValueError, ["already"])
 refuses("bad compression", lambda: rm.DistributedOptimizer(sgd(), compression="fp16"), TypeError, ["compress"])
