@@ -4,6 +4,7 @@
     ringrun -np 2 python examples/pytorch_digits.py --epochs 5 --checkpoint digits.pt
     ringrun -np 2 python examples/pytorch_digits.py --epochs 10 --checkpoint digits.pt --resume
     ringrun -np 2 python examples/pytorch_digits.py --compression int8     # or fp16, linear8, rgc, topk
+    ringrun -np 4 python examples/pytorch_digits.py --use-adasum           # Adasum, single-rank learning rate
 
 The 1 797 8×8 digit images that ship with scikit-learn (no download) are split once, with a
 fixed seed, into a training and a test set. Every rank trains on its own shard of the
@@ -16,6 +17,9 @@ the checkpoints; with --resume, training continues after the checkpoint's epoch.
 linear8), or only the largest --ratio of each gradient's entries (rgc: RedSync's residual
 gradient compression, which keeps what it did not send for later steps and applies the
 momentum itself, with momentum correction; topk: the same without residuals).
+
+--use-adasum combines the ranks' updates with Adasum (``op=rm.Adasum``) instead of averaging
+their gradients, at the single-rank learning rate unless --lr-scaler says otherwise.
 
 On a machine with GPUs each rank trains on GPU ``local_rank()`` (ranks beyond the number of
 GPUs share them), as Horovod scripts pin theirs; without GPUs, on the CPU.
@@ -131,7 +135,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=10, help="train until this epoch (also when resuming)")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.02, help="for one rank; scaled by the number of ranks")
+    parser.add_argument("--lr", type=float, default=0.02,
+                        help="for one rank; scaled by --lr-scaler (default: the number of ranks, 1 with --use-adasum)")
+    parser.add_argument("--use-adasum", action="store_true",
+                        help="combine the ranks' updates with Adasum instead of averaging gradients")
+    parser.add_argument("--lr-scaler", type=float, help="multiply --lr by this (see --lr)")
     parser.add_argument("--seed", type=int, default=42, help="rank 0's initial weights and the shuffling of each epoch")
     parser.add_argument("--checkpoint", metavar="PATH", help="rank 0 saves model and optimizer here after each epoch")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint, if it exists")
@@ -158,9 +166,12 @@ def main():
 
     model = create_model().to(device)
     compression, optimizer_momentum = make_compression(args.compression, args.ratio, MOMENTUM)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * rm.size(), momentum=optimizer_momentum)
+    # Average: the batch is size() times larger, and so is the learning rate. Adasum adapts the
+    # step itself (docs/api.md): the single-rank learning rate, as in Horovod's examples.
+    lr_scaler = args.lr_scaler if args.lr_scaler is not None else (1.0 if args.use_adasum else rm.size())
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=optimizer_momentum)
     optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                        compression=compression)
+                                        compression=compression, op=rm.Adasum if args.use_adasum else rm.Average)
 
     # Rank 0 restores the checkpoint and hands its epoch, weights and optimizer state to the others.
     finished_epoch = 0
@@ -170,7 +181,8 @@ def main():
     rm.broadcast_parameters(model.state_dict(), root_rank=0)
     rm.broadcast_optimizer_state(optimizer, root_rank=0)
     if rm.rank() == 0:
-        print(f"training on {rm.size()} ranks, {len(sampler)} samples each per epoch, "
+        print(f"training on {rm.size()} ranks ({'Adasum' if args.use_adasum else 'Average'}, learning rate "
+              f"{args.lr} x {lr_scaler:g}), {len(sampler)} samples each per epoch, "
               f"from epoch {finished_epoch + 1} to {args.epochs}", flush=True)
 
     for epoch in range(finished_epoch + 1, args.epochs + 1):

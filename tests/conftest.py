@@ -1,8 +1,10 @@
-"""Shared pytest set-up: tests marked ``cuda`` skip, with the reason, where no GPU is usable."""
+"""Shared pytest set-up: tests marked ``cuda`` skip, with the reason, where no GPU is usable;
+without a GPU, Triton (if installed) interprets its kernels on the CPU."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -21,6 +23,14 @@ def gpu_missing_reason() -> str:
     except ImportError:
         return "CuPy is not installed (pip install -e '.[gpu-cuda12]' or '.[gpu-cuda13]')"
     return ""
+
+
+def pytest_configure(config):
+    # Triton decides between compiling and interpreting when triton.language is first
+    # imported, and torch may import it early: without a GPU, interpret from the start
+    # (tests/test_gpu_compression.py runs compression's kernels so, as "triton").
+    if gpu_missing_reason():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,9 +8,9 @@ alone, learning rate and momentum included), not the raw gradients. ``step()`` h
 1. remembers every parameter ``p`` it updates (``start``);
 2. runs the wrapped optimizer's step on this rank's gradients (a parameter without a
    gradient does not change: its update is zero, which Adasum leaves out);
-3. reduces ``delta = p - start`` of every parameter with ``op=Adasum`` (each parameter
-   on its own, fused into few messages by the coordinator; ``compression`` on the wire:
-   ``Compression.fp16`` halves it);
+3. reduces ``delta = p - start`` of every parameter with ``op=Adasum``, as one grouped
+   allreduce (one collective per step; each parameter is still combined on its own);
+   ``compression`` on the wire: ``Compression.fp16`` halves it;
 4. sets ``p = start + adasum(deltas)``.
 
 Every rank ends with the same parameters. Optimizer state (momentum, Adam's moments) stays
@@ -51,17 +51,16 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             starts = [p.detach().clone() for p in self._requires_update]
         loss = super(self._ringmaster_base, self).step(closure)
         with torch.no_grad():
-            pending = []
-            for p, start in zip(self._requires_update, starts):
-                delta = p.detach() - start
-                compressed, context = self._compression.compress(delta)
-                handle = collectives.allreduce_async_(compressed.contiguous(), name=_NAME_PREFIX +
-                                                      self._parameter_names[p], op=collectives.Adasum,
-                                                      process_set=process_set)
-                pending.append((p, start, handle, context))
-            for p, start, handle, context in pending:
-                combined = self._compression.decompress(collectives.synchronize(handle), context)
-                p.copy_(start.add_(combined.to(start.dtype)))
+            compressed = [self._compression.compress(p.detach() - start)
+                          for p, start in zip(self._requires_update, starts)]
+            # One group: one collective per step, each parameter combined on its own inside it.
+            handle = collectives.submit_allreduce(
+                [tensor.contiguous() for tensor, _ in compressed], what="DistributedOptimizer(op=Adasum).step",
+                single=False, in_place=True, name=_NAME_PREFIX + "step", op=collectives.Adasum, flush=True,
+                process_set=process_set)
+            for p, start, (_, context), combined in zip(self._requires_update, starts, compressed,
+                                                        collectives.synchronize(handle)):
+                p.copy_(start.add_(self._compression.decompress(combined, context).to(start.dtype)))
         return loss
 
     def synchronize(self) -> None:
