@@ -128,10 +128,17 @@ def _partial_sums(a: np.ndarray, b: np.ndarray, offset: int, edges: np.ndarray):
     count = len(edges) - 1
     ab, aa, bb = np.zeros(count), np.zeros(count), np.zeros(count)
     for tensor, start, stop in _tensors_in(edges, offset, offset + a.size):
-        x = a[start - offset:stop - offset].astype(np.float64)
-        y = b[start - offset:stop - offset].astype(np.float64)
-        ab[tensor], aa[tensor], bb[tensor] = x @ y, x @ x, y @ y
+        x, y = a[start - offset:stop - offset], b[start - offset:stop - offset]
+        ab[tensor], aa[tensor], bb[tensor] = _dot(x, y), _dot(x, x), _dot(y, y)
     return ab, aa, bb
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    """``x . y`` summed in float64, without BLAS: OpenBLAS starts threads of its own for a
+    dot product, which busy-wait, and with more ranks than cores that made one 4-rank
+    Adasum of 26 K floats on 2 cores take 44 ms instead of 1.2 ms (``einsum`` is also 2.6 x
+    faster here than converting to float64 first)."""
+    return float(np.einsum("i,i->", x, y, dtype=np.float64))
 
 
 def _combine(own: np.ndarray, received: np.ndarray, offset: int, edges: np.ndarray, ab, aa, bb,
