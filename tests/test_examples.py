@@ -78,6 +78,16 @@ def test_digits_example_resumes_from_its_checkpoint(tmp_path, digits_on_two_rank
     assert epoch_losses(resumed.stdout)[3] == expected[3], (resumed.stdout, digits_on_two_ranks.stdout)
 
 
+@pytest.mark.timeout(90)
+def test_digits_example_with_adasum_reaches_95_percent_and_ranks_agree():
+    """--use-adasum: the ranks' updates combined with Adasum, at the single-rank learning rate."""
+    result = run_example(2, "pytorch_digits.py", "--use-adasum", timeout=80)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "(Adasum, learning rate 0.02 x 1)" in result.stdout, result.stdout
+    assert final_accuracy(result.stdout) >= 0.95, result.stdout
+    assert "ranks agree on the weights (max difference 0.0e+00)" in result.stdout, result.stdout
+
+
 def final_accuracy(stdout) -> float:
     return float(re.search(r"final test accuracy ([0-9.]+)", stdout).group(1))
 
