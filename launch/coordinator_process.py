@@ -34,16 +34,19 @@ class CoordinatorProcess:
             command line).
         address_file: where the coordinator writes ``host:port``.
         start_timeout: seconds to wait for that file.
+        stderr: where its messages go (default: ringrun's own stderr; a file for benchmarks
+            that read them).
     """
 
     def __init__(self, size: int, bind: str, advertise: str, env: Mapping[str, str],
-                 address_file: str, start_timeout: float):
+                 address_file: str, start_timeout: float, stderr=None):
         self.size = size
         self.bind = bind
         self.advertise = advertise
         self.env = dict(env)
         self.address_file = address_file
         self.start_timeout = start_timeout
+        self.stderr = stderr
         self.process: Optional[subprocess.Popen] = None
         self.address: Optional[str] = None
 
@@ -69,7 +72,7 @@ class CoordinatorProcess:
         """
         try:
             self.process = subprocess.Popen(
-                self.command(), stdin=subprocess.PIPE, env=self.env, start_new_session=True,
+                self.command(), stdin=subprocess.PIPE, stderr=self.stderr, env=self.env, start_new_session=True,
                 # it also leaves on stdin EOF; if ringrun is killed, nothing is left to save
                 preexec_fn=die_with_parent(signal.SIGKILL),
             )

@@ -1,0 +1,368 @@
+"""The control plane at many ranks: the real coordinator and N simulated ranks, no MPI, no data.
+
+    python bench/control_plane.py --ranks 64,256,1024
+    python bench/control_plane.py --ranks 32 --steps 5 --json out.json     # what the test runs
+    python bench/control_plane.py --ranks 64,256,1024 --plot docs/control_plane.png
+
+The coordinator is started as ``ringrun`` starts it (``launch.coordinator_process``'s command
+line and environment, a fresh job secret). The N ranks are gRPC clients, one channel and
+one ``Negotiate`` stream each, spread over ``--processes`` worker processes of asyncio
+(``grpc.aio``). Each rank registers, sends a heartbeat every ``--heartbeat-interval-s`` and,
+step after step, waits a rank-specific skew (uniform in 0 .. ``--skew-ms``), declares the
+same ``--tensors`` named float32 allreduces (in reverse order, in lists of ten, as a
+backward pass hands them over) and waits until the responses name every one of them.
+Measured, per N:
+
+- **register**: from starting the worker processes to the last rank's welcome;
+- **negotiation p50 / p99**: per step, from the last request any rank sent to the last
+  response any rank received (all processes read the same monotonic clock);
+- **fused**: responses per step (how many collectives the tensors were fused into);
+- **coordinator CPU** (share of one core during the steps) and **RSS** (peak, VmHWM);
+- **messages/s**: messages the ranks sent and received during the steps, per second;
+- **stall**: one rank holds back its requests for 2.5 x the stall warning time; the
+  coordinator's warning lines during it (one summary line is the target) and that step's time;
+- **death**: one rank's stream is cut without a goodbye; the time until every other rank
+  has received the abort;
+- **same order**: every rank received the same response lists, in the same order, with
+  the same fused names (a hash of them per rank).
+
+Prints a table; ``--json`` writes every figure, ``--plot`` a PNG of latency and memory
+against N (matplotlib). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+
+import grpc
+
+from ringmaster.common.message_size import grpc_options
+from ringmaster.coordinator.auth import call_metadata
+from ringmaster.launch.coordinator_process import CoordinatorProcess
+from ringmaster.proto import ringmaster_pb2 as pb
+
+NEGOTIATE = "/ringmaster.Coordinator/Negotiate"
+MESSAGE_BYTES = 16 << 20
+LIST_SIZE = 10  # requests per message, as a backward pass hands gradients over in bursts
+
+
+def progress(text: str) -> None:
+    print(f"[control-plane] {text}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ a simulated rank
+class SimulatedRank:
+    """One rank: a channel, a ``Negotiate`` stream, a heartbeat task and the steps' timings."""
+
+    def __init__(self, rank: int, size: int, address: str, secret: str, tensors: int):
+        self.rank, self.size, self.tensors = rank, size, tensors
+        self.channel = grpc.aio.insecure_channel(address, options=grpc_options(MESSAGE_BYTES))
+        self.outgoing: asyncio.Queue = asyncio.Queue()
+        self.call = self.channel.stream_stream(NEGOTIATE, request_serializer=None,
+                                               response_deserializer=pb.CoordinatorMessage.FromString)(
+            self._requests(), metadata=call_metadata(secret))
+        self.names = [f"grad.{index}" for index in range(tensors)]
+        self.sent = self.received = 0
+        self.welcomed_at = None
+        self.aborted_at = None
+        self.step_requests_at, self.step_done_at, self.step_responses = [], [], []
+        self.order = hashlib.sha256()  # every response list received, in order: the same on every rank
+
+    async def _requests(self):
+        while True:
+            message = await self.outgoing.get()
+            if message is None:
+                return
+            self.sent += 1
+            yield message.SerializeToString()
+
+    def send(self, message) -> None:
+        self.outgoing.put_nowait(message)
+
+    async def register(self) -> None:
+        self.send(pb.RankMessage(register=pb.Register(rank=self.rank, size=self.size, hostname=f"sim{self.rank // 8}",
+                                                      pid=100000 + self.rank)))
+        message = await self.call.read()
+        self.received += 1
+        assert message.WhichOneof("kind") == "welcome", message
+        self.welcomed_at = time.monotonic()
+
+    async def heartbeats(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.send(pb.RankMessage(heartbeat=pb.Heartbeat()))
+
+    async def step(self, skew_s: float) -> None:
+        """Declare every tensor after ``skew_s``; return once responses named them all."""
+        await asyncio.sleep(skew_s)
+        order = self.names[::-1]
+        for start in range(0, len(order), LIST_SIZE):
+            requests = [pb.TensorRequest(name=name, op_type=pb.ALLREDUCE, reduce_op=pb.AVERAGE, dtype="float32",
+                                         shape=[256, 256], device="cpu", prescale_factor=1.0, postscale_factor=1.0)
+                        for name in order[start:start + LIST_SIZE]]
+            self.send(pb.RankMessage(requests=pb.RequestList(requests=requests)))
+            await asyncio.sleep(0)
+        self.step_requests_at.append(time.monotonic())
+        missing, responses = set(self.names), 0
+        while missing:
+            message = await self.call.read()
+            self.received += 1
+            kind = message.WhichOneof("kind")
+            if kind == "abort":
+                raise RuntimeError(f"rank {self.rank}: the job was aborted: {message.abort.reason}")
+            self.order.update(f"{message.responses.sequence}:".encode())
+            for response in message.responses.responses:
+                self.order.update(("|".join(response.names) + ";").encode())
+                if response.error_kind != pb.NO_ERROR:
+                    raise RuntimeError(f"rank {self.rank}: {response.error_message}")
+                missing.difference_update(response.names)
+                responses += 1
+        self.step_done_at.append(time.monotonic())
+        self.step_responses.append(responses)
+
+    async def await_abort(self) -> None:
+        while True:
+            message = await self.call.read()
+            if message is grpc.aio.EOF:
+                return
+            if message.WhichOneof("kind") == "abort":
+                self.aborted_at = time.monotonic()
+                return
+
+    async def cut(self) -> float:
+        """End the stream without a goodbye (a rank that died); returns when."""
+        cut_at = time.monotonic()
+        self.call.cancel()
+        await self.channel.close(grace=None)
+        return cut_at
+
+
+async def _worker_main(ranks, size, address, secret, options, pipe) -> None:
+    simulated = [SimulatedRank(rank, size, address, secret, options["tensors"]) for rank in ranks]
+    await asyncio.gather(*(rank.register() for rank in simulated))
+    beats = [asyncio.ensure_future(rank.heartbeats(options["heartbeat_interval_s"])) for rank in simulated]
+    pipe.send(("registered", max(rank.welcomed_at for rank in simulated)))
+    generator = random.Random(ranks[0])
+    for step in range(options["steps"]):
+        await asyncio.gather(*(rank.step(generator.uniform(0, options["skew_ms"]) / 1e3) for rank in simulated))
+    pipe.send(("steps", [(rank.rank, rank.step_requests_at, rank.step_done_at, rank.step_responses, rank.sent,
+                          rank.received, rank.order.hexdigest()) for rank in simulated]))
+    # the stall: the last rank of the job holds back its requests
+    stall_s = options["stall_s"]
+    await asyncio.gather(*(rank.step(stall_s if rank.rank == size - 1 else 0.0) for rank in simulated))
+    pipe.send(("stalled", None))
+    # the death: the parent names the worker whose first rank is cut
+    command = pipe.recv()
+    watching = simulated[1:] if command == "cut" else simulated
+    cut_at = await simulated[0].cut() if command == "cut" else None
+    watchers = [asyncio.ensure_future(rank.await_abort()) for rank in watching]
+    if watchers:
+        await asyncio.wait(watchers, timeout=60)
+    for beat in beats:
+        beat.cancel()
+    pipe.send(("death", cut_at, [rank.aborted_at for rank in watching]))
+    for rank in simulated:
+        rank.send(None)
+        await rank.channel.close(grace=None)
+
+
+def _worker(ranks, size, address, secret, options, pipe) -> None:
+    try:
+        asyncio.run(_worker_main(ranks, size, address, secret, options, pipe))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, which stops the run
+        pipe.send(("error", f"{type(error).__name__}: {error}"))
+
+
+# ------------------------------------------------------------------ the coordinator
+class Coordinator:
+    """The coordinator daemon with ringrun's command line and environment; stderr kept in a file."""
+
+    def __init__(self, size: int, options: dict, directory: str):
+        self.secret = secrets.token_hex(32)
+        env = {key: value for key, value in os.environ.items() if not key.startswith("RINGMASTER_")}
+        env.update({"RINGMASTER_SECRET": self.secret,
+                    "RINGMASTER_HEARTBEAT_INTERVAL_S": str(options["heartbeat_interval_s"]),
+                    "RINGMASTER_STALL_WARNING_S": str(options["stall_warning_s"]),
+                    "RINGMASTER_START_TIMEOUT": "120"})
+        self.log_path = os.path.join(directory, "coordinator.log")
+        self._log = open(self.log_path, "w")
+        self.daemon = CoordinatorProcess(size=size, bind="127.0.0.1", advertise="127.0.0.1", env=env,
+                                         address_file=os.path.join(directory, "address"), start_timeout=60,
+                                         stderr=self._log)
+        self.address = self.daemon.start()
+        self.process = self.daemon.process
+
+    def cpu_s(self) -> float:
+        with open(f"/proc/{self.process.pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def memory_mb(self, field: str = "VmHWM") -> float:
+        with open(f"/proc/{self.process.pid}/status") as handle:
+            return int(handle.read().split(f"{field}:")[1].split()[0]) / 1024
+
+    def log_lines(self):
+        with open(self.log_path, errors="replace") as handle:
+            return handle.read().splitlines()
+
+    def stop(self) -> None:
+        self.daemon.stop()
+        self._log.close()
+
+
+# ------------------------------------------------------------------ one N
+def measure(size: int, options: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ringmaster-control-plane-") as directory:
+        coordinator = Coordinator(size, options, directory)
+        context = multiprocessing.get_context("spawn")
+        processes, pipes = [], []
+        workers = min(options["processes"], size)
+        try:
+            started = time.monotonic()
+            for index in range(workers):
+                parent, child = context.Pipe()
+                process = context.Process(target=_worker, args=(list(range(index, size, workers)), size,
+                                                                coordinator.address, coordinator.secret, options,
+                                                                child), daemon=True)
+                process.start()
+                processes.append(process)
+                pipes.append(parent)
+            registered = max(_expect(pipe, "registered")[1] for pipe in pipes) - started
+            progress(f"{size} ranks registered in {registered:.2f} s")
+            cpu_before, wall_before = coordinator.cpu_s(), time.monotonic()
+            records = [record for pipe in pipes for record in _expect(pipe, "steps", timeout=600)[1]]
+            cpu, wall = coordinator.cpu_s() - cpu_before, time.monotonic() - wall_before
+            lines_before = len(coordinator.log_lines())
+            stall_started = time.monotonic()
+            for pipe in pipes:
+                _expect(pipe, "stalled", timeout=600)
+            stall_step = time.monotonic() - stall_started
+            warnings = [line for line in coordinator.log_lines()[lines_before:] if "WARNING" in line or "stall" in line]
+            pipes[-1].send("cut")
+            for pipe in pipes[:-1]:
+                pipe.send("watch")
+            deaths = [_expect(pipe, "death", timeout=120) for pipe in pipes]
+            cut_at = deaths[-1][1]
+            aborted = [when for _, _, whens in deaths for when in whens]
+            death_s = (max(aborted) - cut_at) if aborted and None not in aborted else float("nan")
+            rss = coordinator.memory_mb()
+        finally:
+            for process in processes:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.kill()
+            coordinator.stop()
+    steps = options["steps"]
+    latencies = []
+    for step in range(steps):
+        last_request = max(requests[step] for _, requests, _, _, _, _, _ in records)
+        last_response = max(done[step] for _, _, done, _, _, _, _ in records)
+        latencies.append(last_response - last_request)
+    fused = statistics.median(next(responses for rank, _, _, responses, _, _, _ in records if rank == 0))
+    messages = sum(sent + received for *_, sent, received, _ in records)
+    ordered = sorted(latencies)
+    return {
+        "ranks": size, "tensors": options["tensors"], "steps": steps,
+        "register_s": registered,
+        "negotiation_p50_ms": 1e3 * statistics.median(latencies),
+        "negotiation_p99_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "fused_responses_per_step": fused,
+        "coordinator_cpu_share": cpu / wall,
+        "coordinator_rss_mb": rss,
+        "messages_per_s": messages / wall,
+        "stall_step_s": stall_step, "stall_warning_lines": len(warnings), "stall_warnings": warnings[:5],
+        "death_to_every_rank_s": death_s,
+        "same_order_on_every_rank": len({order for *_, order in records}) == 1,
+        "ranks_reporting": len(records),
+    }
+
+
+def _expect(pipe, kind: str, timeout: float = 300):
+    if not pipe.poll(timeout):
+        raise TimeoutError(f"no '{kind}' from a worker within {timeout:g} s")
+    message = pipe.recv()
+    if message[0] == "error":
+        raise RuntimeError(f"a worker failed: {message[1]}")
+    if message[0] != kind:
+        raise RuntimeError(f"expected '{kind}' from a worker, got {message[0]!r}")
+    return message
+
+
+# ------------------------------------------------------------------ output
+def print_table(rows) -> None:
+    header = (f"{'ranks':>6} {'register s':>10} {'p50 ms':>8} {'p99 ms':>8} {'fused':>6} {'coord CPU':>9} "
+              f"{'RSS MB':>7} {'msgs/s':>8} {'stall warnings':>14} {'death s':>8} {'same order':>10}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(f"{row['ranks']:>6} {row['register_s']:>10.2f} {row['negotiation_p50_ms']:>8.1f} "
+              f"{row['negotiation_p99_ms']:>8.1f} {row['fused_responses_per_step']:>6.0f} "
+              f"{row['coordinator_cpu_share']:>9.2f} {row['coordinator_rss_mb']:>7.0f} {row['messages_per_s']:>8.0f} "
+              f"{row['stall_warning_lines']:>14} {row['death_to_every_rank_s']:>8.2f} "
+              f"{'yes' if row['same_order_on_every_rank'] else 'NO':>10}")
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [row["ranks"] for row in rows]
+    figure, (latency, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    latency.plot(ranks, [row["negotiation_p50_ms"] for row in rows], "o-", label="p50")
+    latency.plot(ranks, [row["negotiation_p99_ms"] for row in rows], "s--", label="p99")
+    latency.axhline(50, color="grey", linewidth=0.8, linestyle=":", label="p50 target (1,024 ranks)")
+    latency.set(xscale="log", yscale="log", xlabel="simulated ranks", ylabel="ms",
+                title=f"negotiation of {rows[0]['tensors']} tensors per step")
+    latency.legend()
+    memory.plot(ranks, [row["coordinator_rss_mb"] for row in rows], "o-")
+    memory.set(xscale="log", xlabel="simulated ranks", ylabel="MB", title="coordinator peak RSS")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", default="64,256,1024", help="comma-separated numbers of simulated ranks")
+    parser.add_argument("--steps", type=int, default=20, help="steps per N")
+    parser.add_argument("--tensors", type=int, default=100, help="tensors declared per rank and step")
+    parser.add_argument("--skew-ms", type=float, default=20.0, help="largest per-rank delay before a step's requests")
+    parser.add_argument("--processes", type=int, default=4, help="worker processes holding the simulated ranks")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    parser.add_argument("--stall-warning-s", type=float, default=2.0)
+    parser.add_argument("--json", metavar="PATH", help="write every figure here")
+    parser.add_argument("--plot", metavar="PATH", help="save a PNG of latency and memory against N (matplotlib)")
+    args = parser.parse_args(argv)
+    options = {"tensors": args.tensors, "steps": args.steps, "skew_ms": args.skew_ms, "processes": args.processes,
+               "heartbeat_interval_s": args.heartbeat_interval_s, "stall_warning_s": args.stall_warning_s,
+               "stall_s": 2.5 * args.stall_warning_s}
+    rows = []
+    for size in (int(text) for text in args.ranks.split(",")):
+        progress(f"{size} ranks, {args.steps} steps of {args.tensors} tensors")
+        rows.append(measure(size, options))
+    print(f"# {args.tensors} tensors per step, skew up to {args.skew_ms:g} ms, {args.processes} worker processes, "
+          f"{os.cpu_count()} cores; stall: one rank {options['stall_s']:g} s late "
+          f"(RINGMASTER_STALL_WARNING_S={args.stall_warning_s:g})")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""bench/control_plane.py at a small N (issue 33): 32 simulated ranks against the real
+coordinator, started as ringrun starts it. Every rank gets the same ordered responses, one
+summary line warns about a stalled rank, and a rank's death reaches every other rank."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+from mpijob import job_environment, run_command
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "control_plane.py"
+
+
+@pytest.mark.timeout(150)
+def test_32_simulated_ranks_get_the_same_ordered_responses(tmp_path):
+    out = tmp_path / "control_plane.json"
+    result = run_command([sys.executable, str(BENCH), "--ranks", "32", "--steps", "5", "--stall-warning-s", "1",
+                          "--json", str(out)], timeout=140, env=job_environment())
+    assert result.returncode == 0, result.output[-4000:]
+    [row] = json.loads(out.read_text())
+    assert row["ranks"] == row["ranks_reporting"] == 32, row
+    assert row["same_order_on_every_rank"], row
+    assert row["fused_responses_per_step"] >= 1 and row["negotiation_p50_ms"] > 0, row
+    assert row["register_s"] < 30, row
+    # a rank 2.5 s late with a 1 s warning time: warned about, in one summary line
+    assert 1 <= row["stall_warning_lines"] <= 2, row["stall_warnings"]
+    assert row["death_to_every_rank_s"] < 10, row
