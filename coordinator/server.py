@@ -336,7 +336,7 @@ class Coordinator:
         """End a stream the job does not need, telling it why; the job is not affected."""
         self._refusals.warn(reason)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=pb.PROTOCOL, reason=reason, failed_rank=-1))
-        session.send(abort, abort.ByteSize())
+        session.send(abort.SerializeToString())
         session.closing = True
         session.close()  # on_disconnect follows, and frees the slot of a rank that had said goodbye
         self._unregistered.discard(session)
@@ -358,10 +358,10 @@ class Coordinator:
                                                                              responses=responses)))
 
     def _broadcast(self, message: pb.CoordinatorMessage) -> None:
-        size = message.ByteSize()
+        data = message.SerializeToString()  # once, for every stream
         limit = UNREAD_LIMIT_FACTOR * self.config.max_message_bytes
         for session in list(self._sessions.values()):
-            session.send(message, size)
+            session.send(data)
             if session.unread_bytes > limit and not (session.gone or session.closing):
                 self._breach(session, f"stopped reading its stream: {session.unread_bytes} bytes of responses "
                              f"wait for it, more than {UNREAD_LIMIT_FACTOR} x {KNOB}")
@@ -375,9 +375,9 @@ class Coordinator:
             self.on_abort(kind, reason, failed_rank, failed_host)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=failed_rank,
                                                      failed_host=failed_host, stalled_ranks=stalled_ranks))
-        size = abort.ByteSize()
+        data = abort.SerializeToString()
         for session in self._sessions.values():
-            session.send(abort, size)
+            session.send(data)
             session.gone = True
             session.close()
         self._sessions.clear()

@@ -46,10 +46,12 @@ class RankSession:
             return f"an unregistered stream from {self.peer}"
         return f"rank {self.rank} (host {shown(self.hostname)}, pid {self.pid})"
 
-    def send(self, message: pb.CoordinatorMessage, size: int) -> None:
-        """Queue ``message`` (of ``size`` serialized bytes) for this stream."""
-        self.unread_bytes += size
-        self.outbox.put_nowait((message, size))
+    def send(self, data: bytes) -> None:
+        """Queue a serialized ``CoordinatorMessage`` for this stream. A message for every
+        rank is serialized once by the caller, not once per stream: at 1,024 ranks that was
+        most of the coordinator's time per response list (docs/benchmarks.md)."""
+        self.unread_bytes += len(data)
+        self.outbox.put_nowait(data)
 
     def close(self) -> None:
         self.outbox.put_nowait(_CLOSE)
@@ -73,10 +75,9 @@ class CoordinatorServicer:
                 item = await session.outbox.get()
                 if item is _CLOSE:
                     return
-                message, size = item
-                session.unread_bytes -= size
+                session.unread_bytes -= len(item)
                 try:
-                    await context.write(message)
+                    await context.write(item)
                 except Exception:  # noqa: BLE001 - the peer went away mid-write (gRPC would log a
                     return         # traceback for a generator's failed write): the stream has ended
         finally:
@@ -85,11 +86,11 @@ class CoordinatorServicer:
 
 
 def method_handlers(servicer: CoordinatorServicer):
-    """The generic handler of the service: requests arrive as bytes, responses are protobufs."""
+    """The generic handler of the service: requests arrive as bytes, responses leave as bytes
+    (serialized by the coordinator, once per message however many streams it goes to)."""
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Negotiate": grpc.stream_stream_rpc_method_handler(
-            servicer.Negotiate, request_deserializer=None,
-            response_serializer=pb.CoordinatorMessage.SerializeToString),
+            servicer.Negotiate, request_deserializer=None, response_serializer=None),
         "Ping": grpc.unary_unary_rpc_method_handler(
             servicer.Ping, request_deserializer=None, response_serializer=pb.Empty.SerializeToString),
     })
