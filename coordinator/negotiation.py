@@ -327,6 +327,13 @@ class Negotiator:
             if len(entry.requests) < len(self._sets[entry.process_set_id].ranks):
                 return
             joined = []
+        elif not self._joined:
+            # The common case, checked in O(1): a request per rank (requests are keyed by rank).
+            # Building sets here made every request O(ranks), each tensor O(ranks^2): at 256
+            # simulated ranks it was the coordinator's largest cost (docs/benchmarks.md).
+            if len(entry.requests) < self.size:
+                return
+            joined = []
         else:
             declared = set(entry.requests)
             if len(declared | set(self._joined)) < self.size:
