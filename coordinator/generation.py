@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 from ringmaster.common.config import Config
 from ringmaster.coordinator.cache_stalls import CacheStalls
@@ -44,6 +44,8 @@ class Generation:
         started: when the generation started (``time.monotonic``), for the start timeout.
         slow_cycle_warned: the last cache cycle warned about as slow (not stuck).
         flush_scheduled: a send of the ready responses waiting for the cycle time, if any.
+        stall_warned: when stalls of each kind, set and missing ranks were last warned about
+            (``stall_report.stall_key``), so that one late rank makes one warning.
     """
 
     negotiator: Negotiator
@@ -55,6 +57,7 @@ class Generation:
     started: float = dataclasses.field(default_factory=time.monotonic)
     slow_cycle_warned: int = -1
     flush_scheduled: Optional[asyncio.TimerHandle] = None
+    stall_warned: Dict[tuple, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def start(cls, size: int, config: Config, previous: Optional["Generation"] = None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import socket
 import threading
 import time
@@ -36,7 +37,7 @@ from ringmaster.coordinator.negotiation import Stall
 from ringmaster.coordinator.outgoing import response_lists
 from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
 from ringmaster.coordinator.stall_report import in_set as _in_set
-from ringmaster.coordinator.stall_report import shutdown_reason, warning_lines
+from ringmaster.coordinator.stall_report import shutdown_reason, stall_key, warning_lines
 from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
 from ringmaster.coordinator.cache_stalls import describe_slow as describe_slow_cache_cycle
 from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown, tuning_problem
@@ -483,7 +484,7 @@ class Coordinator:
             if cache_stall is not None and cache_stall.cycle != self._generation.slow_cycle_warned:
                 self._generation.slow_cycle_warned = cache_stall.cycle
                 log.warning("%s", describe_slow_cache_cycle(cache_stall, self._host_of))
-        for line in warning_lines(self._stalls(self.config.stall_warning_s), self._host_of):
+        for line in warning_lines(self._newly_stalled(now), self._host_of):
             log.warning("%s", line)
         generation = self._generation
         for stall in generation.plan_stalls.stalls(self.config.stall_warning_s, generation.negotiator.set_ranks):
@@ -501,6 +502,18 @@ class Coordinator:
                                 f"(RINGMASTER_STALL_SHUTDOWN_S={self.config.stall_shutdown_s:g})", -1,
                                 stalled_ranks=stall.missing_ranks)
                 return
+
+    def _newly_stalled(self, now: float):
+        """The stalls to warn about now: those past the warning time for the first time, less
+        those waiting for the same ranks as a stall warned about within the warning time (one
+        late rank is one stall, though its tensors cross the warning time over several checks:
+        at 1,024 ranks one late rank made 3 lines, each listing every waiting rank)."""
+        recent = self._generation.stall_warned
+        stalls = [stall for stall in self._stalls(self.config.stall_warning_s)
+                  if now - recent.get(stall_key(stall), -math.inf) >= self.config.stall_warning_s]
+        for stall in stalls:
+            recent[stall_key(stall)] = now
+        return stalls
 
     def _stalls(self, older_than_s: float, only_new: bool = True):
         """The negotiator's stalls, but not join()'s while a joined rank serves a gradient plan."""

@@ -18,8 +18,30 @@ from ringmaster.coordinator.validation import shown
 MAX_LINES = 10
 #: Names quoted in a summary line.
 NAMES_SHOWN = 5
+#: Longest list of ranks written out one by one; longer ones are written as runs.
+RANKS_LISTED = 8
 
 _HINT = "One rank may be running a different code path, or be stuck or slow."
+
+
+def stall_key(stall: Stall) -> Tuple:
+    """What makes two stalls one: their kind, process set and missing ranks."""
+    return stall.kind, stall.process_set_id, tuple(stall.missing_ranks)
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``ranks`` as a list, runs of consecutive ranks as ``a-b`` once the list is long
+    (``[0-1022]`` rather than 1,023 numbers; short lists read as Python lists)."""
+    if len(ranks) <= RANKS_LISTED:
+        return str(list(ranks))
+    runs, start = [], None
+    for index, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if index + 1 == len(ranks) or ranks[index + 1] != rank + 1:
+            runs.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return f"[{', '.join(runs)}] ({len(ranks)} ranks)"
 
 
 def warning_lines(stalls: Sequence[Stall], host_of: Callable[[int], str]) -> List[str]:
@@ -40,9 +62,9 @@ def shutdown_reason(stalls: Sequence[Stall], limit_s: float) -> str:
     first = stalls[0]
     more = f"; {len(stalls) - 1} more waited as long" if len(stalls) > 1 else ""
     knob = f"(RINGMASTER_STALL_SHUTDOWN_S={limit_s:g})"
-    missing = first.missing_ranks
+    missing = ranks_text(first.missing_ranks)
     if first.kind == "join":
-        return (f"join() on ranks {first.waiting_ranks} stalled for {first.seconds:.0f} s {knob}: ranks "
+        return (f"join() on ranks {ranks_text(first.waiting_ranks)} stalled for {first.seconds:.0f} s {knob}: ranks "
                 f"{missing} neither joined nor ran a collective in that time{more}")
     if first.kind == "group":
         return (f"group '{shown(first.name)}'{in_set(first)} stalled for {first.seconds:.0f} s {knob}: "
@@ -62,22 +84,22 @@ def _line(bucket: List[Stall], host_of: Callable[[int], str]) -> str:
     hosts = ", ".join(host_of(rank) for rank in missing[:NAMES_SHOWN])
     if len(missing) > NAMES_SHOWN:
         hosts += ", …"
-    who = f"ranks {missing} ({hosts})" if missing else "no rank"
+    who = f"ranks {ranks_text(missing)} ({hosts})" if missing else "no rank"
     if first.kind == "join":
-        return (f"stall: ranks {first.waiting_ranks} have waited {first.seconds:.0f} s in join() while {who} "
-                f"neither joined nor ran a collective with them. A rank may be stuck, or have stopped "
+        return (f"stall: ranks {ranks_text(first.waiting_ranks)} have waited {first.seconds:.0f} s in join() "
+                f"while {who} neither joined nor ran a collective with them. A rank may be stuck, or have stopped "
                 f"training without calling join().")
     if first.kind == "group":
         groups = _names(bucket, "group", "groups")
         return (f"stall: {groups}{in_set(first)} {_waited(bucket)}: {first.detail}"
                 f"{'' if len(bucket) == 1 else ' (the first)'}, and no rank declared the rest: ranks "
-                f"{first.waiting_ranks} declared every part, {who} declared fewer than group_size. {_HINT}")
+                f"{ranks_text(first.waiting_ranks)} declared every part, {who} declared fewer than group_size. {_HINT}")
     if len(bucket) == 1:
-        return (f"stall: {_what(first)}{in_set(first)} {_waited(bucket)}: ranks {first.waiting_ranks} are "
+        return (f"stall: {_what(first)}{in_set(first)} {_waited(bucket)}: ranks {ranks_text(first.waiting_ranks)} are "
                 f"ready, {who} have not submitted it. {_HINT}")
     noun = {"tensor": "tensors"}.get(first.kind, f"{first.kind} requests")
     return (f"stall: {_names(bucket, first.kind, noun)}{in_set(first)} {_waited(bucket)}: ranks "
-            f"{first.waiting_ranks} are ready, {who} have not submitted them. {_HINT}")
+            f"{ranks_text(first.waiting_ranks)} are ready, {who} have not submitted them. {_HINT}")
 
 
 def _what(stall: Stall) -> str:

@@ -24,5 +24,5 @@ def test_32_simulated_ranks_get_the_same_ordered_responses(tmp_path):
     assert row["fused_responses_per_step"] >= 1 and row["negotiation_p50_ms"] > 0, row
     assert row["register_s"] < 30, row
     # a rank 2.5 s late with a 1 s warning time: warned about, in one summary line
-    assert 1 <= row["stall_warning_lines"] <= 2, row["stall_warnings"]
+    assert row["stall_warning_lines"] == 1, row["stall_warnings"]
     assert row["death_to_every_rank_s"] < 10, row

@@ -51,3 +51,11 @@ def test_the_first_generation_takes_the_configuration():
     generation = Generation.start(2, config)
     assert generation.negotiator.fusion_threshold_bytes == 123456 and generation.cycle_time_ms == 2.5
     assert generation.sequence == 0 and not generation.welcomed
+
+
+def test_long_rank_lists_are_written_as_runs_short_ones_as_lists():
+    from ringmaster.coordinator.stall_report import ranks_text
+
+    assert ranks_text([1, 2]) == "[1, 2]" and ranks_text([]) == "[]"
+    assert ranks_text(list(range(1023))) == "[0-1022] (1023 ranks)"
+    assert ranks_text([0, 1, 2, 5, 7, 8, 9, 10, 11, 20]) == "[0-2, 5, 7-11, 20] (10 ranks)"
