@@ -160,3 +160,17 @@ def ringrun(np: int, script: str, timeout: float = 120, env=None, ringrun_args: 
     command = [sys.executable, "-m", "ringmaster.launch", "-np", str(np), *ringrun_args,
                sys.executable, "-c", textwrap.dedent(script), *args]
     return run_command(command, timeout, env=job_environment(env))
+
+
+def assert_job_passed(result: JobResult, np: int, section: Optional[str] = None) -> None:
+    """A job of ``tests/jobs`` reporting through ``job_report.Tally`` passed on all ``np``
+    ranks: no ``FAIL`` line, every rank's ``DONE`` with 0 failures, exit status 0, and, for
+    a ``section``, its ``CASES`` line on every rank with a positive count."""
+    failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
+    if section is not None:
+        counts = result.lines_starting(f"CASES {section} ")
+        assert len(counts) == np and all(int(count) > 0 for count in counts), result.output[-4000:]
+    done = result.lines_starting("DONE")
+    assert len(done) == np and all(line.endswith(" 0 failures") for line in done), result.output[-4000:]
+    assert result.returncode == 0, result.output[-4000:]

@@ -9,7 +9,7 @@ parameters' changes are combined) for SGD with momentum and Adam."""
 import pathlib
 
 import pytest
-from mpijob import mpirun
+from mpijob import assert_job_passed, mpirun
 
 JOBS = pathlib.Path(__file__).parent / "jobs"
 _RESULTS = {}
@@ -27,38 +27,26 @@ def checks(np):
     return _RESULTS[np]
 
 
-def assert_passed(result, np, section=None):
-    prefix = "FAIL " if section is None else f"FAIL {section}: "
-    failures = [line for line in result.stdout.splitlines() if line.startswith(prefix)]
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
-    if section is not None:
-        counts = result.lines_starting(f"CASES {section} ")
-        assert len(counts) == np and all(int(count) > 0 for count in counts), result.output[-4000:]
-    done = result.lines_starting("DONE")
-    assert len(done) == np and all(line.endswith(" 0 failures") for line in done), result.output[-4000:]
-    assert result.returncode == 0, result.output[-4000:]
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("np", [2, 3, 5])
 def test_the_op_matches_the_pairwise_tree_per_tensor_on_every_rank(np):
     result = mpirun(np, (JOBS / "adasum_ops.py").read_text(), timeout=120)
-    assert_passed(result, np)
+    assert_job_passed(result, np)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_allreduce_with_adasum_matches_the_reference(np):
-    assert_passed(checks(np), np, "values")
+    assert_job_passed(checks(np), np, "values")
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_adasum_is_refused_where_it_cannot_run(np):
-    assert_passed(checks(np), np, "errors")
+    assert_job_passed(checks(np), np, "errors")
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_distributed_optimizer_combines_the_ranks_updates_with_adasum(np):
-    assert_passed(checks(np), np, "optimizer")
+    assert_job_passed(checks(np), np, "optimizer")

@@ -14,7 +14,7 @@ One job per number of ranks (``tests/jobs/horovod_optimizer.py``, run once and s
 import pathlib
 
 import pytest
-from mpijob import mpirun
+from mpijob import assert_job_passed, mpirun
 
 JOB = (pathlib.Path(__file__).parent / "jobs" / "horovod_optimizer.py").read_text()
 _JOBS = {}
@@ -33,14 +33,7 @@ def job(np):
 
 
 def check_section(np, section):
-    result = job(np)
-    failures = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
-    counts = result.lines_starting(f"CASES {section} ")
-    assert len(counts) == np and all(int(count) > 0 for count in counts), result.output[-4000:]
-    done = result.lines_starting("DONE")
-    assert len(done) == np and all(line.endswith(" 0 failures") for line in done), result.output[-4000:]
-    assert result.returncode == 0, result.output[-4000:]
+    assert_job_passed(job(np), np, section)
 
 
 @pytest.mark.timeout(180)
