@@ -569,7 +569,7 @@ def _process_state(session: RankSession) -> Optional[str]:
     try:
         with open(f"/proc/{session.pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: read while the process was torn down
         return "gone"
     except (OSError, IndexError):
         return None
@@ -583,7 +583,9 @@ def _process_runs(pid: int, settle_s: float = 0.5) -> Optional[bool]:
         try:
             with open(f"/proc/{pid}/stat") as stat:
                 state = stat.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            # ESRCH or an empty read: the process was being torn down as it was read (seen once
+            # in a full run: the rank was reported as "crashed or its host is gone", not "exited")
             return False
         except OSError:
             return None
