@@ -17,11 +17,10 @@ first allreduce after backward by 0.1-0.3 ms per step (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Optional
 
 from mpi4py import MPI
 
@@ -83,23 +82,37 @@ def abort_error() -> Optional[BaseException]:
 _thread_policy = threading.local()
 
 
-@contextlib.contextmanager
-def eagerly() -> Iterator[None]:
+class _Policy:
+    """A block within which this thread's waits pause at most ``longest_pause_s`` and, with
+    ``yield_s``, yield the core for that long before they sleep. (A class rather than a
+    generator: the response cache enters one per cycle, and a generator's costs 1-2 us.)"""
+
+    __slots__ = ("longest_pause_s", "yield_s", "_saved")
+
+    def __init__(self, longest_pause_s: float, yield_s: Optional[float]):
+        self.longest_pause_s, self.yield_s = longest_pause_s, yield_s
+
+    def __enter__(self) -> None:
+        policy = _thread_policy
+        self._saved = (getattr(policy, "longest_pause_s", None), getattr(policy, "yield_s", None))
+        policy.longest_pause_s = self.longest_pause_s
+        if self.yield_s is not None:
+            policy.yield_s = self.yield_s
+
+    def __exit__(self, *exc) -> None:
+        _thread_policy.longest_pause_s, _thread_policy.yield_s = self._saved
+
+
+def eagerly() -> _Policy:
     """Within this block, this thread's waits pause at most ``EAGER_LONGEST_PAUSE_S`` between tests.
 
     For a thread that would otherwise idle until its peers catch up; other threads, such as
     the background thread waiting while the training loop computes, keep their long pauses.
     """
-    previous = getattr(_thread_policy, "longest_pause_s", None)
-    _thread_policy.longest_pause_s = EAGER_LONGEST_PAUSE_S
-    try:
-        yield
-    finally:
-        _thread_policy.longest_pause_s = previous
+    return _Policy(EAGER_LONGEST_PAUSE_S, None)
 
 
-@contextlib.contextmanager
-def impatiently() -> Iterator[None]:
+def impatiently() -> _Policy:
     """:func:`eagerly`, and for ``IMPATIENT_YIELD_S`` after the spin window, yield the core between
     tests instead of sleeping.
 
@@ -108,13 +121,7 @@ def impatiently() -> Iterator[None]:
     default), while yielding hands the core to the peer rank that shares it and takes it
     back as soon as that rank waits in turn.
     """
-    previous = getattr(_thread_policy, "yield_s", None)
-    _thread_policy.yield_s = IMPATIENT_YIELD_S
-    try:
-        with eagerly():
-            yield
-    finally:
-        _thread_policy.yield_s = previous
+    return _Policy(EAGER_LONGEST_PAUSE_S, IMPATIENT_YIELD_S)
 
 
 def wait(request: MPI.Request) -> None:

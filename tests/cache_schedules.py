@@ -317,7 +317,7 @@ class World:
         if len(entered) < self.size:
             return  # abandoned: a rank left (the next step ends the thread)
         result = CycleVector.reduce(list(entered.values()))
-        ready = rank.protocol.apply(result, self.now)
+        ready, _ = rank.protocol.apply(result, self.now)
         self._send_withdrawn(rank)
         names = tuple(slot.template.names[0] for slot in ready)
         seen = self.ready_by_cycle.setdefault(number, names)

@@ -47,6 +47,8 @@ def reference(parts, op, prescale, postscale):
         total = torch.stack(work).min(0).values
     elif op == rm.Max:
         total = torch.stack(work).max(0).values
+    elif op == rm.Product:
+        total = torch.stack(work).prod(0)
     else:
         total = torch.stack(work).prod(0)
     return total * postscale
@@ -62,17 +64,21 @@ def close(result, expected, dtype):
 
 hits_before = cache.hits if cache is not None else 0
 case = 0
+# Up to 256 bytes without prescaling, a cached allreduce rides in the cache's cycle (carried);
+# (40,) of 8 bytes does not fit, and prescaled ones never ride.
 for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
-    for op in (rm.Sum, rm.Average, rm.Min, rm.Max):
+    for op in (rm.Sum, rm.Average, rm.Min, rm.Max, rm.Product):
         for in_place in (False, True):
             case += 1
-            shape = (3, 5) if case % 2 else (7,)
+            shape = ((3, 5), (7,), (40,), (2, 3))[case % 4]
             prescale, postscale = (0.5, 3.0) if case % 3 == 0 and dtype.is_floating_point else (1.0, 1.0)
             parts = inputs(case, shape, dtype)
             expected = reference(parts, op, prescale, postscale)
             results = []
             for repeat in range(3):
                 tensor = parts[rank].clone()
+                if case % 5 == 0 and in_place:  # a non-contiguous view: reduced in a copy, copied back
+                    tensor = torch.stack([tensor, tensor], -1)[..., 0]
                 name = f"case.{case}"
                 if in_place:
                     result = rm.allreduce_(tensor, op=op, name=name, prescale_factor=prescale,
@@ -130,5 +136,6 @@ check(asleep, "the cache still ran cycles after every rank was idle for a while"
 if cache is not None and os.environ.get("RINGMASTER_CACHE_CAPACITY", "1024") != "0":
     check(cache.hits > hits_before, "no collective was taken from the cache")
 print(f"HITS {rank} {cache.hits if cache is not None else 0}", flush=True)
+print(f"CARRIED {rank} {cache.carried if cache is not None else 0}", flush=True)
 print(f"DONE {rank} {failures} failures", flush=True)
 rm.shutdown()

@@ -1,7 +1,8 @@
 """The response cache's cycle protocol: one rank's state machine, with no threads, MPI or clock.
 
-The cache (``response_cache.py``) runs *cycles*: each is one MPI allreduce (``MIN``) of a
-:class:`CycleVector` from every rank, and every rank gets the same :class:`AgreedCycle`.
+The cache (``response_cache.py``) runs *cycles*: each is one MPI allreduce (:func:`combine`:
+``MIN``, and the data of a small hit every rank carries) of a :class:`CycleVector` from every
+rank, and every rank gets the same :class:`AgreedCycle`.
 This module holds everything a rank decides, as functions of what it is told; the caller
 passes the time in, runs the allreduce and the ready collectives, and sends withdrawn hits
 to the coordinator. The schedule explorer (``tests/test_cache_schedules.py``) runs the same
@@ -49,7 +50,7 @@ import collections
 import dataclasses
 import enum
 import math
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -90,9 +91,43 @@ class Step(enum.Enum):
 NO_JOIN = 1 << 62
 
 
-@dataclasses.dataclass(frozen=True)
-class CycleVector:
-    """What one rank puts into a cycle's ``MIN`` allreduce."""
+#: The words of data a cycle carries (256 bytes). A rank whose only pending hit is a small
+#: allreduce puts its data there: when every rank carries the same slot, the cycle's own
+#: allreduce reduces it and the slot needs no second round trip (:func:`combine`).
+PAYLOAD_WORDS = 32
+PAYLOAD_BYTES = 8 * PAYLOAD_WORDS
+
+#: What a payload may hold: its dtype and reduction are part of its key, so that
+#: :func:`combine` needs nothing but the two vectors. MIN and MAX keep MPI's rule
+#: ``out = op(out, in)`` with a plain comparison, so a NaN reduces as MPI's built-in ops reduce it.
+PAYLOAD_DTYPES = ("float32", "float64", "int32", "int64")
+_PAYLOAD_OPS = {
+    pb.SUM: lambda incoming, inout: np.add(inout, incoming, out=inout),
+    pb.AVERAGE: lambda incoming, inout: np.add(inout, incoming, out=inout),  # divided after the cycle
+    pb.PRODUCT: lambda incoming, inout: np.multiply(inout, incoming, out=inout),
+    pb.MIN: lambda incoming, inout: np.copyto(inout, incoming, where=~(inout < incoming)),
+    pb.MAX: lambda incoming, inout: np.copyto(inout, incoming, where=~(inout > incoming)),
+}
+_PAYLOAD_REDUCTIONS = [(np.dtype(dtype), op, reduce) for dtype in PAYLOAD_DTYPES for op, reduce in _PAYLOAD_OPS.items()]
+_PAYLOAD_CODES = {(dtype.name, op): code for code, (dtype, op, _) in enumerate(_PAYLOAD_REDUCTIONS)}
+_NO_PAYLOAD = -1
+
+
+def payload_code(dtype: str, reduce_op: int) -> Optional[int]:
+    """The code of a payload of ``dtype`` reduced with ``reduce_op``, or None if a cycle cannot carry it."""
+    return _PAYLOAD_CODES.get((dtype, reduce_op))
+
+
+#: The vector's layout: the header's fields, then the payload's words, then a bit per slot.
+#: Events go as +events and -events (MIN of both: min and max); so does the payload's key
+#: (slot * number of codes + code): the payload is reduced only where both keys are equal.
+HEADER = 8
+PAYLOAD_KEY = 6
+BITS = HEADER + PAYLOAD_WORDS
+
+
+class CycleVector(NamedTuple):
+    """What one rank puts into a cycle's allreduce (:func:`combine`: ``MIN``, and the payload reduced)."""
 
     queued: int          # proposals queued here and not applied yet
     idle: bool           # nothing to do here for DORMANT_AFTER_S
@@ -100,24 +135,43 @@ class CycleVector:
     closing: bool        # this rank's cache is to stop
     join_round: int      # joins completed here, if this rank joined; else NO_JOIN
     hits: Tuple[int, ...]  # slots with a hit pending here
-
-    HEADER = 6  # fields before the slot bits; events go as +events and -events (MIN of both: min and max)
+    carried: Optional[Tuple[int, int, np.ndarray]] = None  # (slot, payload code, its bytes) or None
 
     def encode(self, slot_count: int) -> np.ndarray:
-        vector = np.zeros(self.HEADER + slot_count, dtype=np.int64)
-        vector[:self.HEADER] = (self.queued, int(self.idle), self.events, -self.events, int(self.closing),
-                                self.join_round)
-        vector[[self.HEADER + slot for slot in self.hits]] = 1
+        vector = np.zeros(BITS + slot_count, dtype=np.int64)
+        key = _NO_PAYLOAD
+        if self.carried is not None:
+            slot, code, data = self.carried
+            key = slot * len(_PAYLOAD_REDUCTIONS) + code
+            vector[HEADER:BITS].view(np.uint8)[:data.nbytes] = data
+        vector[:HEADER] = (self.queued, self.idle, self.events, -self.events, self.closing, self.join_round,
+                           key, -key)
+        for slot in self.hits:
+            vector[BITS + slot] = 1
         return vector
 
     @staticmethod
     def reduce(vectors: List[np.ndarray]) -> np.ndarray:
-        """What the ``MIN`` allreduce computes (for simulations and tests)."""
-        return np.minimum.reduce(vectors)
+        """What the cycle's allreduce computes (for simulations and tests)."""
+        result = vectors[0].copy()
+        for vector in vectors[1:]:
+            combine(vector, result)
+        return result
 
 
-@dataclasses.dataclass(frozen=True)
-class AgreedCycle:
+def combine(incoming: np.ndarray, inout: np.ndarray) -> None:
+    """The cycle's reduction, ``inout = incoming (+) inout``: ``MIN`` of every field and slot bit;
+    the payloads reduced by their code where both vectors carry the same one (otherwise the
+    keys' min and max differ from here on, and the result's payload is ignored)."""
+    carried = inout[PAYLOAD_KEY]
+    if carried >= 0 and carried == incoming[PAYLOAD_KEY] == -incoming[PAYLOAD_KEY + 1] == -inout[PAYLOAD_KEY + 1]:
+        dtype, _, reduce = _PAYLOAD_REDUCTIONS[carried % len(_PAYLOAD_REDUCTIONS)]
+        reduce(incoming[HEADER:BITS].view(dtype), inout[HEADER:BITS].view(dtype))
+    np.minimum(incoming[:HEADER], inout[:HEADER], out=inout[:HEADER])
+    np.minimum(incoming[BITS:], inout[BITS:], out=inout[BITS:])
+
+
+class AgreedCycle(NamedTuple):
     """A cycle's result, decoded: the same on every rank."""
 
     queued: int            # proposals every rank has: apply this many
@@ -126,15 +180,18 @@ class AgreedCycle:
     events: int            # the fewest events any rank has seen
     all_closing: bool
     join_round: int        # the lowest round a rank joined in, or NO_JOIN
-    ready: Tuple[int, ...]  # slots with a hit on every rank
+    ready: List[int]       # slots with a hit on every rank, in slot order
+    carried: Optional[Tuple[int, np.ndarray]]  # (slot, its reduced payload as its dtype): every rank carried it
 
     @classmethod
     def decode(cls, result: np.ndarray) -> "AgreedCycle":
-        header = result[:CycleVector.HEADER].tolist()
-        queued, idle, events, minus_max_events, closing, join_round = header
-        return cls(queued=queued, all_idle=bool(idle), events_agree=events == -minus_max_events, events=events,
-                   all_closing=bool(closing), join_round=join_round,
-                   ready=tuple(np.flatnonzero(result[CycleVector.HEADER:]).tolist()))
+        queued, idle, events, minus_max_events, closing, join_round, key, minus_max_key = result[:HEADER].tolist()
+        carried = None
+        if 0 <= key == -minus_max_key:
+            slot, code = divmod(key, len(_PAYLOAD_REDUCTIONS))
+            carried = slot, result[HEADER:BITS].view(_PAYLOAD_REDUCTIONS[code][0])
+        return cls(queued, bool(idle), events == -minus_max_events, events, bool(closing), join_round,
+                   result[BITS:].nonzero()[0].tolist(), carried)
 
 
 @dataclasses.dataclass
@@ -147,6 +204,7 @@ class Slot:
     last_run: int = 0              # cycle of its last run (eviction: least recent first)
     nbytes: int = 0
     fuse_key: Optional[tuple] = None  # slots with equal keys may run as one fused allreduce
+    payload_code: Optional[int] = None  # a cycle may carry its data (see combine), with this code
 
 
 @dataclasses.dataclass
@@ -229,11 +287,14 @@ class SlotTable:
 def _new_slot(proposal: Proposal, cycle: int) -> Slot:
     template = proposal.template
     nbytes = math.prod(tuple(template.shapes[0].dims)) * SUPPORTED_DTYPES[template.dtype].itemsize
-    fuse_key = None
+    fuse_key = payload = None
     if template.op_type == pb.ALLREDUCE:
         fuse_key = (template.dtype, template.reduce_op, template.prescale_factor, template.postscale_factor,
                     template.compression)
-    return Slot(template, proposal.signature, None, cycle, nbytes, fuse_key)
+        if (nbytes <= PAYLOAD_BYTES and not template.compression and template.prescale_factor == 1.0
+                and template.device == "cpu"):
+            payload = payload_code(template.dtype, template.reduce_op)
+    return Slot(template, proposal.signature, None, cycle, nbytes, fuse_key, payload)
 
 
 class CacheProtocol:
@@ -377,23 +438,41 @@ class CacheProtocol:
         return False
 
     # ------------------------------------------------------------------ cycles
-    def vector(self, now: float) -> np.ndarray:
-        """This rank's part of the next cycle (stale hits are withdrawn first)."""
+    def vector(self, now: float, payload: Optional[Callable[[Hit], np.ndarray]] = None) -> np.ndarray:
+        """This rank's part of the next cycle (stale hits are withdrawn first).
+
+        ``payload(hit)``: the bytes of a hit's data; when exactly one hit is pending here and
+        its slot allows it, the cycle carries them (see :func:`combine`).
+        """
         self._withdraw_stale(now)
         busy = self.has_hits() or self.queued or (self.join_requested and self.phase is not Phase.SUSPENDED)
+        carried = None
+        if payload is not None and len(self.pending) == 1:
+            (number, hit), = self.pending.items()
+            code = self.table.slots[number].payload_code
+            if code is not None:
+                carried = (number, code, payload(hit))
         return CycleVector(
             queued=len(self.queued), idle=not busy and now - self.last_activity >= self.dormant_after_s,
             events=self.events, closing=self.closing,
             join_round=self.joins_completed if self.join_requested else NO_JOIN,
-            hits=tuple(self.pending)).encode(len(self.table))
+            hits=tuple(self.pending), carried=carried).encode(len(self.table))
 
-    def apply(self, result: np.ndarray, now: float) -> List[Slot]:
-        """Act on a cycle's result as every rank does; returns the slots to run, in slot order."""
+    def apply(self, result: np.ndarray, now: float) -> Tuple[List[Slot], Optional[Tuple[Slot, np.ndarray]]]:
+        """Act on a cycle's result as every rank does.
+
+        Returns the slots to run, in slot order, and (slot, reduced data) of the one among
+        them that the cycle carried (it needs no transfer), or None.
+        """
         agreed = AgreedCycle.decode(result)
         self.cycles_done += 1
         for number in agreed.ready:
             del self.pending[number]
         ready = [self.table.slots[number] for number in agreed.ready]
+        carried = None
+        if agreed.carried is not None:  # a carried slot is ready: every rank had its hit pending
+            number, reduced = agreed.carried
+            carried = (self.table.slots[number], reduced)
         for slot in ready:
             slot.last_run = self.cycles_done
         if ready:
@@ -413,7 +492,7 @@ class CacheProtocol:
             self.dormant_events = agreed.events
             if self.events > self.dormant_events:  # the waking event came here during the cycle
                 self.phase = self._slept_in
-        return ready
+        return ready, carried
 
     def _apply_proposal(self, proposal: Proposal) -> None:
         key = proposal.key

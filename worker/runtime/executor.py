@@ -188,10 +188,17 @@ class Executor(AllreducePaths):
             if self.autotune is not None and self.autotune.active:
                 self.autotune.observe(item)
 
-    def execute(self, response: pb.Response) -> bool:
-        """Run one response now, on the calling thread; False if it failed (its handles and the job fail)."""
+    def execute(self, response: pb.Response, reduced=None) -> bool:
+        """Run one response now, on the calling thread; False if it failed (its handles and the job fail).
+
+        ``reduced``: a single-tensor allreduce's data, already reduced over every rank (the
+        response cache's cycle carried it); only the scaling and the result are left to do.
+        """
         try:
-            self._execute(response)
+            if reduced is not None:
+                self._allreduce_reduced(response, self.size, reduced)
+            else:
+                self._execute(response)
             return True
         except Exception as error:  # noqa: BLE001 - every failure must reach the handles
             failure = RingmasterError(

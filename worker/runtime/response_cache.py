@@ -8,7 +8,8 @@ the slot's bit; the frontend does not even build the request message. A thread o
 communicator of its own, runs
 *cycles*: each cycle is one small MPI allreduce (``MIN``) of a vector of integers
 
-    [candidates queued, idle, events seen, -events seen, closing, join round, bit per slot]
+    [candidates queued, idle, events seen, -events seen, closing, join round,
+     payload key, -payload key, 256 bytes of payload, bit per slot]
 
 and every rank gets the same result, so every rank knows the same things at the same cycle:
 
@@ -24,6 +25,12 @@ and every rank gets the same result, so every rank knows the same things at the 
   pending on an evicted slot is *withdrawn*: its request goes to the coordinator.
   A hit on a name whose proposal is queued but not applied yet waits for it (it would
   otherwise reach the coordinator while the other ranks' hits wait here).
+- **small data, in the cycle itself.** A rank whose only pending hit is a small CPU
+  allreduce (at most 256 bytes of float32/64 or int32/64, no prescaling or wire format) puts
+  its data in the payload. Where every rank carried the same slot, the cycle's reduction
+  (``cache_protocol.combine``, an MPI op of ours) reduced the data too, with MPI's own rule,
+  and the slot completes with no transfer of its own: a synchronous ``rm.allreduce`` of a
+  metric makes one round trip between the ranks, not two. Otherwise the payload is ignored.
 - **when to sleep.** Cycles run every ``cycle_time`` while some rank has cached work, at
   once when a rank waits on a hit (flush). When every rank has been idle for
   :data:`DORMANT_AFTER_S` and has seen the same number of *events* (proposals, and the
@@ -66,7 +73,7 @@ from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.cache_protocol import (WITHDRAW_AFTER_S, CacheProtocol, Hit, Phase, Proposal, Slot,
-                                                      Step)
+                                                      Step, combine)
 from ringmaster.worker.runtime.errors import RingmasterError
 
 log = logging.getLogger("ringmaster.worker")
@@ -77,6 +84,31 @@ log = logging.getLogger("ringmaster.worker")
 IDLE_CYCLE_S = 0.01
 #: The pause between tests of an idle rank's cycle (its own callers wait on nothing).
 IDLE_TEST_PAUSE_S = 200e-6
+
+
+def _reduce_cycles(incoming, inout, datatype) -> None:
+    """The cycle's MPI reduction (one element of a contiguous datatype: the whole vector)."""
+    combine(np.frombuffer(incoming, dtype=np.int64), np.frombuffer(inout, dtype=np.int64))
+
+
+_CYCLE_OP: Optional[MPI.Op] = None
+_VECTOR_TYPES: Dict[int, MPI.Datatype] = {}
+
+
+def _cycle_message(vector: np.ndarray) -> list:
+    """``vector`` as one element of a contiguous datatype: MPI then never splits it between calls of the op."""
+    global _CYCLE_OP
+    if _CYCLE_OP is None:
+        _CYCLE_OP = MPI.Op.Create(_reduce_cycles, commute=True)
+    datatype = _VECTOR_TYPES.get(vector.size)
+    if datatype is None:
+        datatype = _VECTOR_TYPES[vector.size] = MPI.INT64_T.Create_contiguous(vector.size).Commit()
+    return [vector, 1, datatype]
+
+
+def _payload(hit: Hit) -> np.ndarray:
+    """The bytes a cycle carries for ``hit`` (its slot allows it: a small CPU allreduce)."""
+    return hit.entry.tensor.numpy().reshape(-1).view(np.uint8)
 
 
 class _Ran:
@@ -138,6 +170,7 @@ class ResponseCache:
         self._in_cycle_since: Optional[float] = None  # when this rank entered the cycle it waits in
         self.autotune = None             # the Autotuner (RINGMASTER_AUTOTUNE) to tell what ran here
         self.hits = 0
+        self.carried = 0  # hits whose data a cycle carried (no transfer of their own)
         self._thread = threading.Thread(target=self._run, name="ringmaster-cache", daemon=True)
 
     def start(self) -> None:
@@ -346,23 +379,24 @@ class ResponseCache:
         with self._lock:
             if not self.protocol.phase.cycles:
                 return False
-            vector = self.protocol.vector(time.monotonic())
+            vector = self.protocol.vector(time.monotonic(), _payload)
             self._send_withdrawn()
             if needed is not None and not needed():
                 return False  # the vector is dropped: what it withdrew stays withdrawn
         result = np.empty_like(vector)
         self._in_cycle_since = time.monotonic()
         try:
-            completed = self._wait(self.comm.Iallreduce(vector, result, op=MPI.MIN), urgent)
+            completed = self._wait(self.comm.Iallreduce(_cycle_message(vector), _cycle_message(result),
+                                                        op=_CYCLE_OP), urgent)
         finally:
             self._in_cycle_since = None
         with self._lock:
             if not completed:  # a rank left: the next step ends the cache
                 return True
-            ready = self.protocol.apply(result, time.monotonic())
+            ready, carried = self.protocol.apply(result, time.monotonic())
             self._send_withdrawn()
             self._last_cycle_at = time.monotonic()
-        if ready and not self._run_slots(ready):
+        if ready and not self._run_slots(ready, carried):
             with self._lock:
                 self.protocol.finish()
                 self._send_withdrawn()
@@ -395,17 +429,26 @@ class ResponseCache:
 
     def _send_withdrawn(self) -> None:
         """Under the lock: hits the protocol withdrew go to the coordinator."""
+        if not self.protocol.withdrawn:
+            return
         for hit in self.protocol.drain_withdrawn():
             if timeline.recording():
                 timeline.switch([hit.entry.name], f"NEGOTIATE_{pb.OpType.Name(hit.entry.op_type)}")
             self._negotiate(hit.request_list())
 
     # ------------------------------------------------------------- running
-    def _run_slots(self, ready: List[Slot]) -> bool:
+    def _run_slots(self, ready: List[Slot], carried=None) -> bool:
         """Run the ready slots in slot order: allreduces fused while they agree, the rest one by one.
 
-        False if one failed (the executor has failed its handles and the job).
+        ``carried``: (slot, reduced data) of a slot the cycle itself reduced; it completes
+        first, with no transfer. False if one failed (the executor has failed its handles and
+        the job).
         """
+        if carried is not None:
+            slot, reduced = carried
+            ready = [other for other in ready if other is not slot]
+            if not self._complete_carried(slot, reduced):
+                return False
         batch: List[Slot] = []
         batch_bytes = 0
         for slot in ready:
@@ -417,6 +460,21 @@ class ResponseCache:
             batch.append(slot)
             batch_bytes += slot.nbytes
         return self._run_batch(batch) if batch else True
+
+    def _complete_carried(self, slot: Slot, reduced: np.ndarray) -> bool:
+        template = slot.template
+        self.carried += 1
+        try:
+            if not timeline.recording():
+                return self._executor.execute(template, reduced=reduced)
+            names = list(template.names)
+            timeline.end(names)
+            with timeline.span(names, "CACHED_ALLREDUCE_IN_CYCLE"):
+                return self._executor.execute(template, reduced=reduced)
+        finally:
+            tuner = self.autotune
+            if tuner is not None and tuner.active:
+                tuner.observe(_Ran([template]))
 
     def _run_batch(self, batch: List[Slot]) -> bool:
         response = batch[0].template if len(batch) == 1 else _Batch(batch)

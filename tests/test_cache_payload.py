@@ -1,0 +1,84 @@
+"""The response cache's cycle reduction (``cache_protocol.combine``) on vectors made here, as
+the cycle's MPI allreduce applies it: the header and slot bits reduce with MIN; a payload is
+reduced only where every rank carried the same slot, with MPI's own rule for each reduction."""
+
+import numpy as np
+import pytest
+
+from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.worker.runtime.cache_protocol import (NO_JOIN, PAYLOAD_BYTES, AgreedCycle, CycleVector,
+                                                      payload_code)
+
+SLOTS = 6
+
+
+def vector(hits, carried=None, events=3):
+    return CycleVector(queued=0, idle=False, events=events, closing=False, join_round=NO_JOIN, hits=hits,
+                       carried=carried).encode(SLOTS)
+
+
+def carrying(slot, values, reduce_op):
+    values = np.asarray(values)
+    return slot, payload_code(values.dtype.name, reduce_op), values.view(np.uint8)
+
+
+def mpi_rule(parts, reduce_op):
+    """What MPI's built-in op computes, folding ``out = op(out, in)`` as it does."""
+    out = parts[0].copy()
+    for incoming in parts[1:]:
+        if reduce_op in (pb.SUM, pb.AVERAGE):
+            out = out + incoming
+        elif reduce_op == pb.PRODUCT:
+            out = out * incoming
+        elif reduce_op == pb.MIN:
+            out = np.where(out < incoming, out, incoming)
+        else:
+            out = np.where(out > incoming, out, incoming)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("reduce_op", [pb.SUM, pb.AVERAGE, pb.PRODUCT, pb.MIN, pb.MAX])
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_a_slot_every_rank_carries_is_reduced_in_the_cycle(dtype, reduce_op, ranks):
+    generator = np.random.default_rng(ranks * 100 + reduce_op)
+    parts = [(generator.standard_normal(7) * 20).astype(dtype) for _ in range(ranks)]
+    result = CycleVector.reduce([vector((1, 4), carrying(4, part, reduce_op)) for part in parts])
+    agreed = AgreedCycle.decode(result)
+    assert agreed.ready == [1, 4] and agreed.events_agree
+    slot, reduced = agreed.carried
+    assert slot == 4 and reduced.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(reduced[:7], mpi_rule(parts, reduce_op))
+
+
+def test_min_and_max_treat_nan_as_mpi_does():
+    parts = [np.array([np.nan, 1.0, 2.0], np.float32), np.array([0.0, np.nan, 3.0], np.float32)]
+    for reduce_op in (pb.MIN, pb.MAX):
+        result = CycleVector.reduce([vector((0,), carrying(0, part, reduce_op)) for part in parts])
+        _, reduced = AgreedCycle.decode(result).carried
+        np.testing.assert_array_equal(reduced[:3], mpi_rule(parts, reduce_op))
+
+
+@pytest.mark.parametrize("other", ["nothing", "another slot", "another dtype"])
+def test_a_payload_not_carried_by_every_rank_is_ignored(other):
+    ones = np.ones(4, np.float32)
+    mine = vector((2, 3), carrying(2, ones, pb.SUM))
+    theirs = {"nothing": vector((2, 3)),
+              "another slot": vector((2, 3), carrying(3, ones, pb.SUM)),
+              "another dtype": vector((2, 3), carrying(2, ones.astype(np.float64), pb.SUM))}[other]
+    for order in ([mine, theirs], [theirs, mine], [mine, mine, theirs], [mine, theirs, mine]):
+        agreed = AgreedCycle.decode(CycleVector.reduce([v.copy() for v in order]))
+        assert agreed.carried is None and agreed.ready == [2, 3]
+
+
+def test_the_header_still_reduces_with_min():
+    result = CycleVector.reduce([vector((0, 5), events=4), vector((5,), events=2)])
+    agreed = AgreedCycle.decode(result)
+    assert agreed.ready == [5] and agreed.events == 2 and not agreed.events_agree and agreed.carried is None
+
+
+def test_what_a_cycle_cannot_carry():
+    assert payload_code("float16", pb.SUM) is None   # MPI reduces it in float32: another rounding
+    assert payload_code("bool", pb.MAX) is None
+    assert payload_code("float32", pb.ADASUM) is None
+    assert PAYLOAD_BYTES == 256
