@@ -58,15 +58,16 @@ def _check_tensor(tensor, what: str) -> torch.Tensor:
     """Validate ``tensor`` for ``what``; return its data (detached, same storage)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type not in ("cpu", "cuda"):
+    if not (tensor.is_cpu or tensor.is_cuda):
         raise ValueError(f"{what}: tensors on {tensor.device} are not supported; ringmaster reduces CPU and "
                          f"CUDA tensors (move it with .cpu() or .cuda())")
     if tensor.is_sparse:
         raise ValueError(f"{what}: sparse tensors are not supported; pass tensor.to_dense()")
     dtype_name(tensor, what)
     # Collectives move data, outside autograd (as Horovod's do): a parameter that requires
-    # grad may be broadcast or reduced in place. detach() shares the tensor's storage.
-    return tensor.detach()
+    # grad may be broadcast or reduced in place. detach() shares the tensor's storage (it costs
+    # half a microsecond: a tensor autograd cannot reach, not a view, is used as it is).
+    return tensor.detach() if tensor.requires_grad or tensor._is_view() else tensor
 
 
 def _resolve_op(average, op, what: str, adasum: bool = False) -> int:
@@ -181,7 +182,7 @@ def submit_allreduce(tensors: Sequence[torch.Tensor], *, what: str, single: bool
 
     if single and not set_id:  # the response cache may run it again without negotiation
         source = entries[0].tensor
-        entries[0].cache_key = (pb.ALLREDUCE, base, source.device.type, source.dtype, source.shape, op, prescale_factor,
+        entries[0].cache_key = (pb.ALLREDUCE, base, source.is_cuda, source.dtype, source.shape, op, prescale_factor,
                                 postscale_factor, wire_format if source.dtype.is_floating_point else "")
     _submit_or_release(state, handle, entries, requests, flush)
     return handle.id

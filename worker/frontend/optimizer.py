@@ -22,6 +22,7 @@ import torch
 
 from ringmaster.worker.compression.compressors import Compression, wire_format
 from ringmaster.worker.frontend import collectives
+from ringmaster.worker.frontend.bucket_updates import can_update_per_bucket, step_parameters
 from ringmaster.worker.frontend.adasum_optimizer import _DistributedAdasumOptimizer
 from ringmaster.worker.frontend.calibration import calibrated
 from ringmaster.worker.frontend.differentiable import allreduce
@@ -49,8 +50,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
 
     def _setup(self, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set) -> None:
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, update_per_bucket) -> None:
         self._process_set = process_set
+        self._update_per_bucket = update_per_bucket
         self._compression = compression
         # rgc/topk: per-tensor state, dense allreduce or sparse allgather decided per tensor.
         self._sparsifier = compression if _is_sparsifier(compression) else None
@@ -202,13 +204,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._plan_filled.add(p)
             self._plan.mark_ready(index, p.grad)
 
-    def _synchronize_plan(self) -> None:
+    def _synchronize_plan(self, on_reduced=None) -> None:
         if not self._plan_step_open:  # no gradient this step: every rank still runs the plan
             self._start_plan_step()
         self._plan_fill_missing()
         try:
             if self._plan.runs_ahead():  # no negotiation: the buckets go over the plan's own communicator
-                self._plan.finish(lambda: runtime().fatal_error)
+                self._plan.finish(lambda: runtime().fatal_error, on_reduced)
             else:  # the plan's first run, on the background thread at its request's place in the order
                 collectives.synchronize(collectives.submit_barrier(self._plan.request_name,
                                                                    self._process_set.process_set_id))
@@ -401,6 +403,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize(): the gradients are reduced twice. Wrap step() in "
                               "`with optimizer.skip_synchronize():`", stacklevel=2)
             if closure is None:
+                if self._updates_per_bucket():
+                    self._synchronized = False
+                    self._synchronize_plan(on_reduced=self._step_bucket)
+                    self._step_outside_plan()
+                    return None
                 self.synchronize()
             else:
                 closure = self._synchronizing(closure)
@@ -409,6 +416,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return super(self._ringmaster_base, self).step(closure)
         finally:
             self._synchronized = False  # a closure synchronizes inside the step
+
+    def _updates_per_bucket(self) -> bool:
+        """Whether this step applies the optimizer bucket by bucket (``bucket_updates.py``)."""
+        if not self._update_per_bucket or self._plan is None:
+            return False
+        self._forget_plan_of_an_ended_runtime()
+        return self._plan is not None and self._plan.runs_ahead()
+
+    def _step_bucket(self, indices) -> None:
+        parameters = self._plan.parameters
+        step_parameters(super(self._ringmaster_base, self).step, self.param_groups, [parameters[i] for i in indices])
+
+    def _step_outside_plan(self) -> None:
+        """After the buckets: the parameters the plan does not reduce (a model-parallel shard's)."""
+        index = self._plan.index
+        rest = [p for group in self.param_groups for p in group["params"] if p not in index]
+        if rest:
+            step_parameters(super(self._ringmaster_base, self).step, self.param_groups, rest)
 
     def _synchronizing(self, closure):
         def evaluate():
@@ -448,7 +473,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=collectives.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set):
+                         process_set: ProcessSet = global_process_set, update_per_bucket: Optional[bool] = None):
     """Wrap ``optimizer`` so that ``step()`` uses gradients reduced over all ranks.
 
     Args:
@@ -474,6 +499,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             the result is handed to the optimizer as a sparse tensor again, as in Horovod.
         process_set: average over the ranks of this process set only; ranks outside it
             step on their own gradients.
+        update_per_bucket: once the gradient plan runs (the second step on), ``step()``
+            applies the optimizer to each bucket's parameters as soon as the bucket is
+            reduced, with the same results (``ringmaster.worker.frontend.bucket_updates``).
+            None (default): where that is exact (torch's per-parameter optimizers, no step
+            hooks); True: insist (a ValueError says why it cannot); False: one step after all.
+            Not used after an explicit ``synchronize()`` (gradient clipping), nor with a closure.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -528,8 +559,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         wrapped._setup_adasum(_parameter_names(wrapped.param_groups, named_parameters), compression,
                               backward_passes_per_step, process_set)
         return wrapped
+    why_not = can_update_per_bucket(optimizer, base)
+    if update_per_bucket and why_not:
+        raise ValueError(f"DistributedOptimizer: update_per_bucket=True, but {why_not}: its update of one "
+                         f"parameter may depend on others, so bucket by bucket could change the results; "
+                         f"leave update_per_bucket=None")
     wrapped._setup(named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, groups, sparse_as_dense, process_set)
+                   gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                   update_per_bucket is not False and why_not is None)
     return wrapped
 
 

@@ -66,15 +66,15 @@ class AllreducePaths:
             # only once no view of it is left (result_memory.py), so results alias nothing; and
             # there is nothing to copy out.
             result = device.new_result((sum(sizes),), dtype)
-            torch.cat([entry.tensor.reshape(-1) for entry in entries], out=result)
+            torch.cat(_flat_tensors(entries), out=result)
             self._reduce_in_place(result, response, group, device)
-            for entry, part, shape in zip(entries, result.split(sizes), shapes):
-                self._complete(entry, part.view(shape), device)
+            for entry, part in zip(entries, _parts(result, sizes, shapes)):
+                self._complete(entry, part, device)
             return
         buffer = self._fusion_buffer(wire_dtype, sum(sizes), device)
         with timeline.span(response.names, "MEMCPY_IN_FUSION_BUFFER"):
             if everyone:
-                torch.cat([entry.tensor.reshape(-1) for entry in entries], out=buffer)  # one op, not one per tensor
+                torch.cat(_flat_tensors(entries), out=buffer)  # one op, not one per tensor
             else:
                 for entry, part in zip(entries, buffer.split(sizes)):
                     if entry is None:  # this rank joined: contribute the reduction's identity
@@ -232,6 +232,26 @@ def _scale_(flat: torch.Tensor, factor: float) -> None:
         flat.mul_(factor)
     else:
         flat.copy_(flat.to(torch.float64).mul_(factor))
+def _flat_tensors(entries) -> list:
+    """The entries' tensors, 1-D (torch's reshape costs about 1 us a call: only where needed)."""
+    return [entry.tensor if entry.tensor.dim() == 1 else entry.tensor.reshape(-1) for entry in entries]
+
+
+def _parts(flat: torch.Tensor, sizes, shapes) -> list:
+    """Views of consecutive parts of ``flat`` in ``shapes``: through NumPy on the host (half the
+    cost of torch's split and view, about 2 us a tensor, which 100 small tensors feel)."""
+    if flat.device.type != "cpu" or flat.dtype not in _NUMPY_DTYPES:
+        return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+    array = flat.numpy()
+    edges = itertools.accumulate(sizes, initial=0)
+    return [torch.from_numpy(array[start:start + size].reshape(shape))
+            for start, size, shape in zip(edges, sizes, shapes)]
+
+
+_NUMPY_DTYPES = {torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.uint8, torch.bool}
+
+
 def _copy_out(entries, buffer: torch.Tensor, sizes, shapes, dtype: torch.dtype) -> list:
     """(entry, result) for each entry: its part of the fused ``buffer``, in its output or a new tensor."""
     done = []

@@ -175,6 +175,7 @@ class GradientPlan:
         self._header_count = None
         self._deferred: List[bool] = []  # per bucket: started, then collected at the end of the step
         self._in_flight: list = []       # (bucket number, request, gradients) of this step's deferred buckets
+        self._reduced: List[int] = []    # buckets of this step whose gradients are final, not handed out yet
         # For the coordinator's stall report (wait_state): when the running allreduce began.
         self._communicating_since: Optional[float] = None
         self._serving_joined = False
@@ -196,6 +197,7 @@ class GradientPlan:
             self._bucket_running = False
             self._caller_took_over = False
             self._hooks_start_buckets = False  # set by run_ahead (not in the plan's first run)
+            self._reduced = []
 
     def run_ahead(self) -> None:
         """Open this step with its header, and have its buckets start as they become ready.
@@ -212,13 +214,17 @@ class GradientPlan:
             with self._condition:
                 self._hooks_start_buckets = True
 
-    def finish(self, failed: Callable[[], Optional[BaseException]]) -> None:
+    def finish(self, failed: Callable[[], Optional[BaseException]],
+               on_reduced: Optional[Callable[[List[int]], None]] = None) -> None:
         """Reduce, on the calling thread, every bucket the plan's thread has not started; return when all are done.
 
         Called by ``step()``/``synchronize()`` once every gradient has been handed over: the
         caller would only wait otherwise, and runs at the training loop's priority, where the
         plan's thread may get no core at all while other work is runnable. ``failed``
         returns the runtime's fatal error, if any (a peer that died mid-bucket).
+        ``on_reduced(indices)`` runs on the calling thread for each bucket as soon as its
+        gradients (parameters ``indices``) are final, whoever reduced it, before this
+        returns: while the plan's thread may still reduce the next one.
         """
         algorithm, segment_bytes, stopping = self._run_settings
         with self._condition:
@@ -226,6 +232,8 @@ class GradientPlan:
         # The caller has nothing else to do until the step's gradients are reduced.
         with eagerly():
             while True:
+                if on_reduced is not None:
+                    self._hand_out_reduced(on_reduced)
                 with self._condition:
                     while self._bucket_running and self._error is None:
                         error = failed()
@@ -239,6 +247,14 @@ class GradientPlan:
                     number = self._claim_bucket()
                 self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
             self._close_step()
+        if on_reduced is not None:
+            self._hand_out_reduced(on_reduced)
+
+    def _hand_out_reduced(self, on_reduced: Callable[[List[int]], None]) -> None:
+        with self._condition:
+            done, self._reduced = self._reduced, []
+        for number in done:
+            on_reduced(self.buckets[number].indices)
 
     def mark_ready(self, index: int, gradient: torch.Tensor) -> None:
         """Hand over the gradient of parameter ``index`` for this step."""
@@ -364,6 +380,8 @@ class GradientPlan:
             else:
                 with self._communicating():
                     self._reduce_bucket(number, self.comm, gradients, algorithm, segment_bytes)
+                with self._condition:
+                    self._reduced.append(number)
         finally:
             with self._condition:
                 self._bucket_running = False
@@ -436,6 +454,8 @@ class GradientPlan:
             for number, bucket_request, gradients in in_flight:
                 wait(bucket_request)
                 self._unpack(number, self.buckets[number].buffer, gradients)
+                with self._condition:
+                    self._reduced.append(number)
 
     # -------------------------------------------------------- deferred buckets
     def _can_defer(self, bucket: _Bucket, algorithm: str) -> bool:
