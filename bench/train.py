@@ -13,6 +13,8 @@ round by round in the same processes, so that load on a shared machine hits all 
   keeping the ranks in step costs alone (each step waits for the slowest rank's backward),
   the ceiling of any synchronous data-parallel training on the machine;
 - ``ringmaster``: ``rm.DistributedOptimizer`` (gradients allreduced from hooks during backward);
+- ``rm-one-step``: the same with ``update_per_bucket=False``: the optimizer steps once after
+  every bucket is reduced, instead of on each bucket as soon as it is (the default);
 - ``rm-no-cache``: the same with the response cache switched off (as ``RINGMASTER_CACHE_CAPACITY=0``),
   so that what the cache costs or saves in training shows in the same run;
 - ``rm-adasum``: ``rm.DistributedOptimizer(op=rm.Adasum)``: each rank steps on its own
@@ -53,7 +55,7 @@ from ringmaster.worker.runtime import current
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 import benchmark_models  # examples/benchmark_models.py
 
-MODES = ("no-comm", "sync-only", "ringmaster", "rm-no-cache", "rm-adasum", "ddp-gloo", "naive-mpi")
+MODES = ("no-comm", "sync-only", "ringmaster", "rm-one-step", "rm-no-cache", "rm-adasum", "ddp-gloo", "naive-mpi")
 
 
 def progress(text):
@@ -132,8 +134,9 @@ class NaiveMpiTrainer(Trainer):
 class RingmasterTrainer(Trainer):
     """rm.DistributedOptimizer: its hooks start allreduces during backward; step() waits for them.
 
-    ``synchronize()`` then ``step()`` under ``skip_synchronize()`` is the same work as a plain
-    ``step()`` (Horovod's documented split), with the wait timed apart from the update.
+    bench/step_phases.py times its phases apart: ``synchronize()`` then ``step()`` under
+    ``skip_synchronize()`` (Horovod's documented split; with one optimizer step after all
+    buckets). A whole step here is a plain ``step()``.
     """
 
     def communicate(self):
@@ -142,6 +145,12 @@ class RingmasterTrainer(Trainer):
     def update(self):
         with self.optimizer.skip_synchronize():
             self.optimizer.step()
+
+    def step(self):
+        # A plain step(), as users write it: it waits for the buckets itself, and updates each
+        # bucket's parameters as it is reduced (update_per_bucket; rm-one-step: after all).
+        self.forward().backward()
+        self.optimizer.step()
 
 
 def make_trainers(model_name, batch_size, comm, modes=MODES):
@@ -152,9 +161,10 @@ def make_trainers(model_name, batch_size, comm, modes=MODES):
         torch.manual_seed(0)
         model = benchmark_models.create(model_name)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if mode in ("ringmaster", "rm-no-cache", "rm-adasum"):
+        if mode in ("ringmaster", "rm-one-step", "rm-no-cache", "rm-adasum"):
             optimizer = rm.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                op=rm.Adasum if mode == "rm-adasum" else rm.Average)
+                                                op=rm.Adasum if mode == "rm-adasum" else rm.Average,
+                                                update_per_bucket=False if mode == "rm-one-step" else None)
             rm.broadcast_parameters(model.state_dict(), root_rank=0)
             trainers[mode] = RingmasterTrainer(model, optimizer, batch)
         elif mode == "ddp-gloo":

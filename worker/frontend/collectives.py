@@ -204,7 +204,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 
 def _tensor_compressor(compression, what: str):
     """``(compressor, wire format)`` of a ``compression=`` argument; refuses stateful sparsifiers."""
-    compression = Compression.none if compression is None else compression
+    if compression is None or compression is Compression.none:
+        return Compression.none, ""
     if callable(getattr(compression, "prepare", None)):
         raise TypeError(f"{what}: {type(compression).__name__} keeps residuals per gradient and works only "
                         f"inside DistributedOptimizer(compression=...); use Compression.none, fp16, int8 "

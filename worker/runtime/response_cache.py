@@ -95,15 +95,16 @@ _CYCLE_OP: Optional[MPI.Op] = None
 _VECTOR_TYPES: Dict[int, MPI.Datatype] = {}
 
 
-def _cycle_message(vector: np.ndarray) -> list:
-    """``vector`` as one element of a contiguous datatype: MPI then never splits it between calls of the op."""
+def _start_cycle(comm, vector: np.ndarray, result: np.ndarray) -> MPI.Request:
+    """Start the cycle's allreduce of ``vector`` into ``result``: the vector is one element of a
+    contiguous datatype, so that MPI never splits it between calls of the op."""
     global _CYCLE_OP
     if _CYCLE_OP is None:
         _CYCLE_OP = MPI.Op.Create(_reduce_cycles, commute=True)
     datatype = _VECTOR_TYPES.get(vector.size)
     if datatype is None:
         datatype = _VECTOR_TYPES[vector.size] = MPI.INT64_T.Create_contiguous(vector.size).Commit()
-    return [vector, 1, datatype]
+    return comm.Iallreduce([vector, 1, datatype], [result, 1, datatype], op=_CYCLE_OP)
 
 
 def _payload(hit: Hit) -> np.ndarray:
@@ -294,19 +295,16 @@ class ResponseCache:
             self._callers += 1  # the cache's thread leaves the cycles to this caller
         try:
             while not handle.done():
-                with self._lock:
-                    if not self.protocol.holds(handle) or not self.protocol.phase.cycles:
-                        return
                 if not self._driver.acquire(blocking=False):
                     self._flush = True  # the thread's cycle hurries; this caller runs the next
                     if not self._driver.acquire(timeout=WITHDRAW_AFTER_S):
                         return
                 try:
                     self._flush = False
-                    # Only a cycle whose vector holds this caller's hit (checked again once the
-                    # vector is made, which may withdraw it): every other rank needs that one
-                    # too, so none can have moved on to a call that holds its GIL (mpi4py's
-                    # pickle-based allreduce does) and keeps its cache thread out of the cycle.
+                    # Only a cycle whose vector holds this caller's hit (checked once the vector
+                    # is made, which may withdraw it): every other rank needs that one too, so
+                    # none can have moved on to a call that holds its GIL (mpi4py's pickle-based
+                    # allreduce does) and keeps its cache thread out of the cycle.
                     if not self._guarded_cycle(urgent=True, needed=lambda: self.protocol.holds(handle)):
                         return
                 finally:
@@ -383,11 +381,10 @@ class ResponseCache:
             self._send_withdrawn()
             if needed is not None and not needed():
                 return False  # the vector is dropped: what it withdrew stays withdrawn
-        result = np.empty_like(vector)
+        result = np.empty(vector.size, dtype=np.int64)  # (empty_like's dispatch costs 1 us more)
         self._in_cycle_since = time.monotonic()
         try:
-            completed = self._wait(self.comm.Iallreduce(_cycle_message(vector), _cycle_message(result),
-                                                        op=_CYCLE_OP), urgent)
+            completed = self._wait(_start_cycle(self.comm, vector, result), urgent)
         finally:
             self._in_cycle_since = None
         with self._lock:
@@ -406,26 +403,32 @@ class ResponseCache:
         """Wait for a cycle's allreduce; False if a rank left, so that it can never complete.
 
         Not ``urgent``, it sleeps between tests, and turns urgent as soon as a caller wants
-        the cycle (a caller that finds this thread cycling waits for it to finish).
+        the cycle (a caller that finds this thread cycling waits for it to finish). An urgent
+        cycle's waits are already impatient (``_guarded_cycle``).
         """
-        while not urgent:
+        if urgent:
+            return self._wait_urgently(request)
+        while True:
             if request.Test():
                 return True
             if self.protocol.abandons_cycle():
                 return False
             time.sleep(IDLE_TEST_PAUSE_S)
-            urgent = self._flush
             error = waiting.abort_error()
             if error is not None:
                 raise error
-        with waiting.impatiently():
-            while True:
-                try:
-                    waiting.wait_for(request, WITHDRAW_AFTER_S)
-                    return True
-                except TimeoutError:
-                    if self.protocol.abandons_cycle():
-                        return False
+            if self._flush:
+                with waiting.impatiently():
+                    return self._wait_urgently(request)
+
+    def _wait_urgently(self, request) -> bool:
+        while True:
+            try:
+                waiting.wait_for(request, WITHDRAW_AFTER_S)
+                return True
+            except TimeoutError:
+                if self.protocol.abandons_cycle():
+                    return False
 
     def _send_withdrawn(self) -> None:
         """Under the lock: hits the protocol withdrew go to the coordinator."""
