@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime.cache_protocol import (NO_JOIN, PAYLOAD_BYTES, AgreedCycle, CycleVector,
-                                                      payload_code)
+from ringmaster.worker.runtime.cache_protocol import (MAX_PAYLOAD_BYTES, NO_JOIN, AgreedCycle, CacheProtocol,
+                                                      CycleVector, Hit, Proposal, payload_code, payload_words)
 
 SLOTS = 6
 
 
-def vector(hits, carried=None, events=3):
+def vector(hits, carried=None, events=3, room=32):
     return CycleVector(queued=0, idle=False, events=events, closing=False, join_round=NO_JOIN, hits=hits,
-                       carried=carried).encode(SLOTS)
+                       carried=carried, room=room).encode(SLOTS)
 
 
 def carrying(slot, values, reduce_op):
@@ -81,4 +81,57 @@ def test_what_a_cycle_cannot_carry():
     assert payload_code("float16", pb.SUM) is None   # MPI reduces it in float32: another rounding
     assert payload_code("bool", pb.MAX) is None
     assert payload_code("float32", pb.ADASUM) is None
-    assert PAYLOAD_BYTES == 256
+
+
+def test_a_large_payload_rides_in_a_vector_with_room_for_it():
+    parts = [np.arange(5000, dtype=np.float32) * (rank + 1) for rank in range(3)]
+    room = payload_words(parts[0].nbytes)
+    assert room * 8 == 32 << 10   # 20,000 bytes: the next power of two
+    result = CycleVector.reduce([vector((2,), carrying(2, part, pb.SUM), room=room) for part in parts])
+    agreed = AgreedCycle.decode(result)
+    assert agreed.ready == [2]
+    np.testing.assert_array_equal(agreed.carried[1][:5000], parts[0] + parts[1] + parts[2])
+
+
+def allreduce_response(name, count, prescale=1.0):
+    response = pb.Response(op_type=pb.ALLREDUCE, reduce_op=pb.SUM, names=[name], dtype="float32", device="cpu",
+                           prescale_factor=prescale, postscale_factor=1.0)
+    response.shapes.add().dims.extend([count])
+    return response
+
+
+class _Entry:
+    def __init__(self, count):
+        self.tensor = np.ones(count, np.float32)
+        self.handle = object()
+
+
+def test_the_room_follows_what_ran_in_the_last_cycle():
+    """A slot rides once a cycle ran it (the room is then its size); a cycle that ran only
+    slots a cycle cannot carry (too big, prescaled) gives the room back."""
+    protocol = CacheProtocol(capacity=8)
+    for name, count, prescale in [("mid", 3000, 1.0), ("scaled", 3000, 0.5), ("big", 200_000, 1.0)]:
+        protocol.propose(Proposal.from_response(allreduce_response(name, count, prescale), 0, (name,)))
+    protocol.apply(_agree(protocol), 0.0)
+    payload = lambda hit: hit.entry.tensor.view(np.uint8)  # noqa: E731
+
+    def run(name, count):
+        assert protocol.take((name,), Hit(_Entry(count), [], 0.0))
+        sent = protocol.vector(0.0, payload)
+        ready, carried = protocol.apply(CycleVector.reduce([sent]), 0.0)
+        assert [slot.template.names[0] for slot in ready] == [name]
+        return carried is not None
+
+    assert protocol.payload_room == 32
+    assert not run("mid", 3000)            # 12,000 bytes: no room yet
+    assert protocol.payload_room * 8 == 16 << 10
+    assert run("mid", 3000)                # the next time it rides
+    assert not run("scaled", 3000)         # prescaled: never carried, and the room goes back
+    assert protocol.payload_room == 32
+    assert not run("big", 200_000)
+    assert 200_000 * 4 > MAX_PAYLOAD_BYTES and protocol.payload_room == 32
+
+
+def _agree(protocol):
+    """A cycle that applies the queued proposals."""
+    return CycleVector.reduce([protocol.vector(0.0)])

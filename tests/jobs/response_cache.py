@@ -64,13 +64,14 @@ def close(result, expected, dtype):
 
 hits_before = cache.hits if cache is not None else 0
 case = 0
-# Up to 256 bytes without prescaling, a cached allreduce rides in the cache's cycle (carried);
-# (40,) of 8 bytes does not fit, and prescaled ones never ride.
+# Up to 64 KiB without prescaling, a cached allreduce rides in the cache's cycle (carried) from
+# its second cached run on (the first makes room for it); prescaled ones never ride, nor does
+# the 160 KB one after the loop.
 for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
     for op in (rm.Sum, rm.Average, rm.Min, rm.Max, rm.Product):
         for in_place in (False, True):
             case += 1
-            shape = ((3, 5), (7,), (40,), (2, 3))[case % 4]
+            shape = ((3, 5), (7,), (5000,), (2, 3))[case % 4]
             prescale, postscale = (0.5, 3.0) if case % 3 == 0 and dtype.is_floating_point else (1.0, 1.0)
             parts = inputs(case, shape, dtype)
             expected = reference(parts, op, prescale, postscale)
@@ -93,6 +94,12 @@ for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
             for repeat, result in enumerate(results[1:], start=1):
                 check(torch.equal(result, results[0]),
                       f"case {case} {dtype} op {op}: call {repeat} (cached) differs from call 0 (negotiated)")
+
+# Too big to ride in a cycle: its own transfer every time, the same result.
+big = [torch.full((20000,), float(r + 1), dtype=torch.float64) for r in range(size)]
+for repeat in range(3):
+    result = rm.allreduce(big[rank], op=rm.Sum, name="big.sum")
+    check(torch.equal(result, sum(big)), f"big.sum call {repeat}: {result[:3]}")
 
 # Broadcast from every root, cached after its first call.
 for root in range(size):

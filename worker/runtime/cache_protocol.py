@@ -91,11 +91,19 @@ class Step(enum.Enum):
 NO_JOIN = 1 << 62
 
 
-#: The words of data a cycle carries (256 bytes). A rank whose only pending hit is a small
-#: allreduce puts its data there: when every rank carries the same slot, the cycle's own
-#: allreduce reduces it and the slot needs no second round trip (:func:`combine`).
-PAYLOAD_WORDS = 32
-PAYLOAD_BYTES = 8 * PAYLOAD_WORDS
+#: The data a cycle carries. A rank whose only pending hit is a small allreduce puts its data
+#: in the cycle's vector: when every rank carries the same slot, the cycle's own allreduce
+#: reduces it and the slot needs no second round trip (:func:`combine`). The payload's room
+#: (:attr:`CacheProtocol.payload_room`) is a power of two of at least MIN_PAYLOAD_BYTES,
+#: decided from agreed results, so the same on every rank at every cycle.
+MIN_PAYLOAD_BYTES = 256
+MAX_PAYLOAD_BYTES = 64 << 10
+
+
+def payload_words(nbytes: int) -> int:
+    """The payload's room, in int64 words, for a slot of ``nbytes``."""
+    return max(MIN_PAYLOAD_BYTES, 1 << max(0, nbytes - 1).bit_length()) // 8
+
 
 #: What a payload may hold: its dtype and reduction are part of its key, so that
 #: :func:`combine` needs nothing but the two vectors. MIN and MAX keep MPI's rule
@@ -121,9 +129,10 @@ def payload_code(dtype: str, reduce_op: int) -> Optional[int]:
 #: The vector's layout: the header's fields, then the payload's words, then a bit per slot.
 #: Events go as +events and -events (MIN of both: min and max); so does the payload's key
 #: (slot * number of codes + code): the payload is reduced only where both keys are equal.
-HEADER = 8
+#: The header's last field is the payload's room in words (equal on every rank).
+HEADER = 9
 PAYLOAD_KEY = 6
-BITS = HEADER + PAYLOAD_WORDS
+ROOM = 8
 
 
 class CycleVector(NamedTuple):
@@ -136,18 +145,20 @@ class CycleVector(NamedTuple):
     join_round: int      # joins completed here, if this rank joined; else NO_JOIN
     hits: Tuple[int, ...]  # slots with a hit pending here
     carried: Optional[Tuple[int, int, np.ndarray]] = None  # (slot, payload code, its bytes) or None
+    room: int = MIN_PAYLOAD_BYTES // 8  # the payload's words (the slot table's payload_words)
 
     def encode(self, slot_count: int) -> np.ndarray:
-        vector = np.zeros(BITS + slot_count, dtype=np.int64)
+        bits = HEADER + self.room
+        vector = np.zeros(bits + slot_count, dtype=np.int64)
         key = _NO_PAYLOAD
         if self.carried is not None:
             slot, code, data = self.carried
             key = slot * len(_PAYLOAD_REDUCTIONS) + code
-            vector[HEADER:BITS].view(np.uint8)[:data.nbytes] = data
+            vector[HEADER:bits].view(np.uint8)[:data.nbytes] = data
         vector[:HEADER] = (self.queued, self.idle, self.events, -self.events, self.closing, self.join_round,
-                           key, -key)
+                           key, -key, self.room)
         for slot in self.hits:
-            vector[BITS + slot] = 1
+            vector[bits + slot] = 1
         return vector
 
     @staticmethod
@@ -163,12 +174,13 @@ def combine(incoming: np.ndarray, inout: np.ndarray) -> None:
     """The cycle's reduction, ``inout = incoming (+) inout``: ``MIN`` of every field and slot bit;
     the payloads reduced by their code where both vectors carry the same one (otherwise the
     keys' min and max differ from here on, and the result's payload is ignored)."""
+    bits = HEADER + int(inout[ROOM])
     carried = inout[PAYLOAD_KEY]
     if carried >= 0 and carried == incoming[PAYLOAD_KEY] == -incoming[PAYLOAD_KEY + 1] == -inout[PAYLOAD_KEY + 1]:
         dtype, _, reduce = _PAYLOAD_REDUCTIONS[carried % len(_PAYLOAD_REDUCTIONS)]
-        reduce(incoming[HEADER:BITS].view(dtype), inout[HEADER:BITS].view(dtype))
+        reduce(incoming[HEADER:bits].view(dtype), inout[HEADER:bits].view(dtype))
     np.minimum(incoming[:HEADER], inout[:HEADER], out=inout[:HEADER])
-    np.minimum(incoming[BITS:], inout[BITS:], out=inout[BITS:])
+    np.minimum(incoming[bits:], inout[bits:], out=inout[bits:])
 
 
 class AgreedCycle(NamedTuple):
@@ -185,13 +197,15 @@ class AgreedCycle(NamedTuple):
 
     @classmethod
     def decode(cls, result: np.ndarray) -> "AgreedCycle":
-        queued, idle, events, minus_max_events, closing, join_round, key, minus_max_key = result[:HEADER].tolist()
+        queued, idle, events, minus_max_events, closing, join_round, key, minus_max_key, room = \
+            result[:HEADER].tolist()
+        bits = HEADER + room
         carried = None
         if 0 <= key == -minus_max_key:
             slot, code = divmod(key, len(_PAYLOAD_REDUCTIONS))
-            carried = slot, result[HEADER:BITS].view(_PAYLOAD_REDUCTIONS[code][0])
+            carried = slot, result[HEADER:bits].view(_PAYLOAD_REDUCTIONS[code][0])
         return cls(queued, bool(idle), events == -minus_max_events, events, bool(closing), join_round,
-                   result[BITS:].nonzero()[0].tolist(), carried)
+                   result[bits:].nonzero()[0].tolist(), carried)
 
 
 @dataclasses.dataclass
@@ -205,6 +219,7 @@ class Slot:
     nbytes: int = 0
     fuse_key: Optional[tuple] = None  # slots with equal keys may run as one fused allreduce
     payload_code: Optional[int] = None  # a cycle may carry its data (see combine), with this code
+    room: int = 0                       # the payload words that needs (0: never carried)
 
 
 @dataclasses.dataclass
@@ -291,10 +306,11 @@ def _new_slot(proposal: Proposal, cycle: int) -> Slot:
     if template.op_type == pb.ALLREDUCE:
         fuse_key = (template.dtype, template.reduce_op, template.prescale_factor, template.postscale_factor,
                     template.compression)
-        if (nbytes <= PAYLOAD_BYTES and not template.compression and template.prescale_factor == 1.0
+        if (nbytes <= MAX_PAYLOAD_BYTES and not template.compression and template.prescale_factor == 1.0
                 and template.device == "cpu"):
             payload = payload_code(template.dtype, template.reduce_op)
-    return Slot(template, proposal.signature, None, cycle, nbytes, fuse_key, payload)
+    return Slot(template, proposal.signature, None, cycle, nbytes, fuse_key, payload,
+                0 if payload is None else payload_words(nbytes))
 
 
 class CacheProtocol:
@@ -330,6 +346,11 @@ class CacheProtocol:
         self.last_activity = 0.0
         self.wake_sent = False
         self.withdrawn: List[Hit] = []
+        #: The payload's room in the next cycle's vector, in words: enough for the largest
+        #: carriable slot that ran in the last cycle that ran any (agreed: the same everywhere).
+        #: A slot run again and again, as a synchronous allreduce in a loop is, rides from its
+        #: second run on; cycles after others pay for no room they do not use.
+        self.payload_room = payload_words(0)
 
     # ------------------------------------------------------------ local input
     def take(self, key: tuple, hit: Hit) -> bool:
@@ -449,14 +470,14 @@ class CacheProtocol:
         carried = None
         if payload is not None and len(self.pending) == 1:
             (number, hit), = self.pending.items()
-            code = self.table.slots[number].payload_code
-            if code is not None:
-                carried = (number, code, payload(hit))
+            slot = self.table.slots[number]
+            if slot.payload_code is not None and slot.room <= self.payload_room:
+                carried = (number, slot.payload_code, payload(hit))
         return CycleVector(
             queued=len(self.queued), idle=not busy and now - self.last_activity >= self.dormant_after_s,
             events=self.events, closing=self.closing,
             join_round=self.joins_completed if self.join_requested else NO_JOIN,
-            hits=tuple(self.pending), carried=carried).encode(len(self.table))
+            hits=tuple(self.pending), carried=carried, room=self.payload_room).encode(len(self.table))
 
     def apply(self, result: np.ndarray, now: float) -> Tuple[List[Slot], Optional[Tuple[Slot, np.ndarray]]]:
         """Act on a cycle's result as every rank does.
@@ -477,6 +498,7 @@ class CacheProtocol:
             slot.last_run = self.cycles_done
         if ready:
             self.last_activity = now
+            self.payload_room = max(max(slot.room for slot in ready), MIN_PAYLOAD_BYTES // 8)
         # A join round that has already ended here (its JOIN response came first) is no reason.
         if agreed.join_round == self.joins_completed and self.phase is Phase.AWAKE:
             self.phase = Phase.SUSPENDED
