@@ -64,9 +64,10 @@ def close(result, expected, dtype):
 
 hits_before = cache.hits if cache is not None else 0
 case = 0
-# Up to 64 KiB without prescaling, a cached allreduce rides in the cache's cycle (carried) from
-# its second cached run on (the first makes room for it); prescaled ones never ride, nor does
-# the 160 KB one after the loop.
+# Without prescaling, a cached allreduce rides in the cache's cycle (carried) from its second
+# cached run on (the first makes room for it): up to 64 KiB on 2 ranks and for integers, up to
+# 256 bytes for floating point on more ranks; prescaled ones never ride, nor does the 160 KB one
+# after the loop. Every cached result equals the negotiated one bit for bit.
 for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
     for op in (rm.Sum, rm.Average, rm.Min, rm.Max, rm.Product):
         for in_place in (False, True):

@@ -256,8 +256,9 @@ class Proposal:
 class SlotTable:
     """The slots, the same on every rank; changed only when a cycle applies proposals."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, ranks: int = 2):
         self.capacity = capacity
+        self.ranks = ranks  # the job's: which slots a cycle may carry (carriable_bytes)
         self.slots: List[Slot] = []
         self._by_signature: Dict[bytes, int] = {}
         self._by_key: Dict[tuple, int] = {}
@@ -281,7 +282,7 @@ class SlotTable:
                 number = min(range(len(self.slots)), key=lambda s: self.slots[s].last_run)
                 self._forget(number)
                 evicted = number
-            self.slots[number] = _new_slot(proposal, cycle)
+            self.slots[number] = _new_slot(proposal, cycle, self.ranks)
             self._by_signature[proposal.signature] = number
         slot = self.slots[number]
         slot.last_run = cycle
@@ -299,15 +300,30 @@ class SlotTable:
             self._by_key.pop(old.key, None)
 
 
-def _new_slot(proposal: Proposal, cycle: int) -> Slot:
+def carriable_bytes(dtype: str, ranks: int) -> int:
+    """The largest allreduce of ``dtype`` on ``ranks`` ranks that a cycle carries.
+
+    A carried result must equal MPI's own bit for bit. Integers reduce exactly in any order,
+    and so does any dtype on 2 ranks (one addition, ``a + b == b + a``); a floating-point sum of
+    more ranks depends on the order MPI adds them in, which its algorithm for the message
+    size decides: for small messages it takes the same recursive doubling for its own
+    operations and for ours (checked at 3 and 4 ranks), above that not (a 40 KB float64
+    sum on 4 ranks came out differently).
+    """
+    if ranks <= 2 or dtype.startswith("int"):
+        return MAX_PAYLOAD_BYTES
+    return MIN_PAYLOAD_BYTES
+
+
+def _new_slot(proposal: Proposal, cycle: int, ranks: int) -> Slot:
     template = proposal.template
     nbytes = math.prod(tuple(template.shapes[0].dims)) * SUPPORTED_DTYPES[template.dtype].itemsize
     fuse_key = payload = None
     if template.op_type == pb.ALLREDUCE:
         fuse_key = (template.dtype, template.reduce_op, template.prescale_factor, template.postscale_factor,
                     template.compression)
-        if (nbytes <= MAX_PAYLOAD_BYTES and not template.compression and template.prescale_factor == 1.0
-                and template.device == "cpu"):
+        if (nbytes <= carriable_bytes(template.dtype, ranks) and not template.compression
+                and template.prescale_factor == 1.0 and template.device == "cpu"):
             payload = payload_code(template.dtype, template.reduce_op)
     return Slot(template, proposal.signature, None, cycle, nbytes, fuse_key, payload,
                 0 if payload is None else payload_words(nbytes))
@@ -322,11 +338,12 @@ class CacheProtocol:
     Args:
         capacity: the most slots.
         dormant_after_s, withdraw_after_s: see :data:`DORMANT_AFTER_S`, :data:`WITHDRAW_AFTER_S`.
+        ranks: the job's size (which slots a cycle may carry: :func:`carriable_bytes`).
     """
 
     def __init__(self, capacity: int, dormant_after_s: float = DORMANT_AFTER_S,
-                 withdraw_after_s: float = WITHDRAW_AFTER_S):
-        self.table = SlotTable(capacity)
+                 withdraw_after_s: float = WITHDRAW_AFTER_S, ranks: int = 2):
+        self.table = SlotTable(capacity, ranks)
         self.dormant_after_s = dormant_after_s
         self.withdraw_after_s = withdraw_after_s
         self.phase = Phase.AWAKE

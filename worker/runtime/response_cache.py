@@ -87,8 +87,16 @@ IDLE_TEST_PAUSE_S = 200e-6
 
 
 def _reduce_cycles(incoming, inout, datatype) -> None:
-    """The cycle's MPI reduction (one element of a contiguous datatype: the whole vector)."""
-    combine(np.frombuffer(incoming, dtype=np.int64), np.frombuffer(inout, dtype=np.int64))
+    """The cycle's MPI reduction, over each element of its contiguous datatype (a whole vector).
+
+    MPI may call it for no element at all (some algorithms split the message's elements among
+    the ranks, and one element leaves some with none). It must never raise: an exception in
+    an MPI op ends the process.
+    """
+    words = datatype.Get_size() // 8
+    incoming, inout = np.frombuffer(incoming, dtype=np.int64), np.frombuffer(inout, dtype=np.int64)
+    for start in range(0, inout.size - words + 1, words):
+        combine(incoming[start:start + words], inout[start:start + words])
 
 
 _CYCLE_OP: Optional[MPI.Op] = None
@@ -157,7 +165,7 @@ class ResponseCache:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.capacity = capacity
-        self.protocol = CacheProtocol(capacity)
+        self.protocol = CacheProtocol(capacity, ranks=comm.Get_size())
         self._executor = executor
         self._fusion_threshold = max(fusion_threshold_bytes, 1)
         self._cycle_time_s = cycle_time_s
