@@ -2,6 +2,8 @@
 the cycle's MPI allreduce applies it: the header and slot bits reduce with MIN; a payload is
 reduced only where every rank carried the same slot, with MPI's own rule for each reduction."""
 
+import warnings
+
 import numpy as np
 import pytest
 from mpijob import ringrun
@@ -169,3 +171,11 @@ def test_carried_results_equal_mpis_bit_for_bit(np):
     done = result.lines_starting("DONE")
     assert len(done) == np and all(" 0 failures" in line for line in done), result.output[-3000:]
     assert all(int(line.split("carried=")[1]) > 0 for line in done), done
+
+
+def test_an_overflowing_payload_gives_inf_without_a_warning():
+    parts = [np.full(3, 3e38, np.float32), np.full(3, 3e38, np.float32)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a warning inside the MPI op would end the process
+        result = CycleVector.reduce([vector((0,), carrying(0, part, pb.SUM)) for part in parts])
+    assert np.isinf(AgreedCycle.decode(result).carried[1][:3]).all()

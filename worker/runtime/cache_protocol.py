@@ -178,7 +178,10 @@ def combine(incoming: np.ndarray, inout: np.ndarray) -> None:
     carried = inout[PAYLOAD_KEY]
     if carried >= 0 and carried == incoming[PAYLOAD_KEY] == -incoming[PAYLOAD_KEY + 1] == -inout[PAYLOAD_KEY + 1]:
         dtype, _, reduce = _PAYLOAD_REDUCTIONS[carried % len(_PAYLOAD_REDUCTIONS)]
-        reduce(incoming[HEADER:bits].view(dtype), inout[HEADER:bits].view(dtype))
+        # Overflow to inf is a result, as in MPI's own sum, not a warning (which an MPI op must
+        # not raise: with warnings turned into errors it would end the process).
+        with np.errstate(all="ignore"):
+            reduce(incoming[HEADER:bits].view(dtype), inout[HEADER:bits].view(dtype))
     np.minimum(incoming[:HEADER], inout[:HEADER], out=inout[:HEADER])
     np.minimum(incoming[bits:], inout[bits:], out=inout[bits:])
 
