@@ -2,6 +2,7 @@
 
     ringrun -np 2 python bench/anatomy.py                 # 4 bytes: it rides in the cache's cycle
     ringrun -np 2 python bench/anatomy.py --bytes 262144  # too big to ride: a transfer of its own
+    ringrun -np 2 python bench/anatomy.py --sizes 4,1024,4096,16384,65536,262144
 
 Each rank calls ``rm.allreduce_`` on the same named tensor again and again (after a warmup,
 every call is a response-cache hit driven by the calling thread) with a timer around each
@@ -10,6 +11,9 @@ result), running what the cycle made ready, and the rest (synchronize, the handl
 for rank 0, each part's median and its calls per allreduce, and the median of the whole call
 with the timers and, in a second pass, without them. Each timer costs about half a microsecond
 of its own: the parts add up to more than the untimed call.
+
+``--sizes`` prints instead, per size, the median of the untimed call against raw
+``comm.Allreduce`` in place, in turns of 10 calls each (300 per size and way).
 """
 
 import argparse
@@ -18,6 +22,7 @@ import statistics
 import time
 
 import torch
+from mpi4py import MPI
 
 import ringmaster as rm
 from ringmaster.worker.frontend import collectives
@@ -57,13 +62,45 @@ def calls(tensor, name, count):
     return durations
 
 
+def sizes_table(sizes):
+    """(bytes, ringmaster's median ms, MPI's median ms) per size, in turns, in place."""
+    comm = MPI.COMM_WORLD
+    rows = []
+    for nbytes in sizes:
+        tensor = torch.ones(max(1, nbytes // 4))
+        array = tensor.numpy().copy()
+        name = f"anatomy.size.{nbytes}"
+        calls(tensor, name, 50)
+        ours, theirs = [], []
+        for _ in range(30):
+            comm.Barrier()
+            ours += calls(tensor, name, 10)
+            comm.Barrier()
+            for _ in range(10):
+                start = time.perf_counter_ns()
+                comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+                theirs.append(time.perf_counter_ns() - start)
+        rows.append((nbytes, statistics.median(ours) / 1e6, statistics.median(theirs) / 1e6))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bytes", type=int, default=4, help="float32 tensor size (default 4)")
     parser.add_argument("--calls", type=int, default=3000, help="timed calls per pass (default 3000)")
+    parser.add_argument("--sizes", help="comma-separated byte counts: the size table instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rm.init()
+    if args.sizes:
+        rows = sizes_table([int(size) for size in args.sizes.split(",")])
+        if rm.rank() == 0:
+            print(f"\ncached rm.allreduce_ in place vs comm.Allreduce, {rm.size()} ranks, p50 ms")
+            print(f"{'bytes':>9} {'ringmaster':>11} {'MPI':>8} {'ratio':>6}")
+            for nbytes, ours, theirs in rows:
+                print(f"{nbytes:>9} {ours:11.3f} {theirs:8.3f} {ours / theirs:6.1f}")
+        rm.shutdown()
+        return
     tensor = torch.ones(max(1, args.bytes // 4))
     name = f"anatomy.{args.bytes}"
     calls(tensor, name, 300)

@@ -126,3 +126,22 @@ def test_small_collectives_benchmark_prints_cached_negotiated_and_mpi():
     assert result.returncode == 0, result.output[-3000:]
     for row in ("4-byte allreduce p50", "100 x 16 KiB async step", "submitting, per tensor", "cache awake"):
         assert row in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_anatomy_benchmark_times_the_parts_of_a_cached_allreduce():
+    for extra, rows in ((["--calls", "200"], ("make the vector", "whole call, untimed", "carried in the cycle")),
+                        (["--sizes", "4,65536"], ("ringmaster", "65536"))):
+        result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "anatomy.py"), *extra],
+                             timeout=100, env=job_environment())
+        assert result.returncode == 0, result.output[-3000:]
+        for row in rows:
+            assert row in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(90)
+def test_mpi_nonblocking_benchmark_prints_both_ways():
+    result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "mpi_nonblocking.py")],
+                         timeout=80, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    assert "blocking" in result.stdout and "1024 KiB" in result.stdout, result.stdout
