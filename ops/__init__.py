@@ -9,6 +9,7 @@ matching arguments, in the same order, as with MPI itself.
   starts the same call for a small buffer and returns its request.
 * :func:`quantized_ring_allreduce` — the ring moving a codec's 8-bit encoding (float32).
 * :func:`adasum_allreduce` — Adasum's pairwise tree by recursive halving, per fused tensor.
+* :func:`hierarchical_allreduce` — shared memory within each host, the ring between hosts.
 * :func:`allgatherv`, :func:`broadcast`, :func:`alltoallv`, :func:`reducescatter`.
 
 Supported dtypes: float16, float32, float64, int32, int64, uint8, bool; ops: "sum",
@@ -18,6 +19,7 @@ Supported dtypes: float16, float32, float64, int32, int64, uint8, bool; ops: "su
 from .adasum import adasum_allreduce
 from .allreduce import allreduce, choose_algorithm, ring_min_bytes
 from .dtypes import SUPPORTED_DTYPES, SUPPORTED_OPS
+from .hierarchical import hierarchical_allreduce
 from .mpi_collectives import (allgatherv, alltoallv, broadcast, can_start_allreduce, mpi_allreduce, reducescatter,
                               start_allreduce)
 from .quantized_ring import quantized_ring_allreduce
@@ -35,6 +37,7 @@ __all__ = [
     "broadcast",
     "can_start_allreduce",
     "choose_algorithm",
+    "hierarchical_allreduce",
     "ring_min_bytes",
     "mpi_allreduce",
     "quantized_ring_allreduce",
