@@ -43,6 +43,9 @@ class Config:
         gradient_plan: after its first step, DistributedOptimizer reduces gradients in fixed
             buckets negotiated once per step (see ``ringmaster.worker.runtime.gradient_plan``); off:
             every gradient is negotiated on its own, every step.
+        hierarchical_allreduce: across hosts with as many ranks each, big allreduces reduce
+            within each host first and run the ring only between hosts
+            (``ringmaster.ops.hierarchical``; Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``).
         plan_overlap: which of the gradient plan's buckets start during the backward pass:
             ``"all"``, ``"small"`` (only those that are one small MPI call; the others wait
             for ``step()``), or ``"auto"``: all when each rank has a core to spare beyond
@@ -95,6 +98,7 @@ class Config:
     background_nice: int = 19
     gradient_plan: bool = True
     plan_overlap: str = "auto"
+    hierarchical_allreduce: bool = False
     max_message_bytes: int = 16 * MIB
     max_pending_requests: int = 65536
     cache_capacity: int = 1024
@@ -303,6 +307,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "abort the job after a stall of S seconds (0: never)", metavar="S"),
     Setting("RINGMASTER_ALLREDUCE", "allreduce_algorithm", _algorithm, "--allreduce",
             "allreduce algorithm", choices=("auto", "ring", "mpi")),
+    Setting("RINGMASTER_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", _switch, "--hierarchical-allreduce",
+            "across hosts with as many ranks each, reduce big tensors within each host first and run the "
+            "ring only between hosts", switch=True, default_text="off"),
     Setting("RINGMASTER_HEARTBEAT_INTERVAL_S", "heartbeat_interval_s", _positive_float, "--heartbeat-interval-s",
             "how often an idle rank tells the coordinator it is alive", metavar="S"),
     Setting("RINGMASTER_HEARTBEAT_TIMEOUT_S", "heartbeat_timeout_s", _positive_float, "--heartbeat-timeout-s",

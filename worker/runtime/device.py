@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from ringmaster import ops
+from ringmaster.worker.runtime import hierarchy
+from ringmaster.worker.runtime.hierarchy import Hierarchy
 from ringmaster.worker.runtime.tensors import byte_array, flat_array
 
 log = logging.getLogger("ringmaster.worker")
@@ -73,14 +75,22 @@ class HostTransport:
 
     name = "host"
 
-    def __init__(self, comm, segment_bytes: int):
+    def __init__(self, comm, segment_bytes: int, hierarchy: Optional[Hierarchy] = None):
         self.comm = comm
         self.segment_bytes = segment_bytes
+        self.hierarchy = hierarchy  # RINGMASTER_HIERARCHICAL_ALLREDUCE: big allreduces go through the hosts
 
     def span_label(self, algorithm: str) -> str:
+        if self.hierarchy is not None and algorithm == "ring":
+            return "HIERARCHICAL_ALLREDUCE"
         return f"{algorithm.upper()}_ALLREDUCE"
 
     def allreduce(self, array, op="sum", scale=None, algorithm="auto", source=None) -> None:
+        if self.hierarchy is not None and hierarchy.use_for(algorithm, array, self.comm.Get_size(), op):
+            if source is not None:
+                np.copyto(array, source)
+            self.hierarchy.allreduce(array, op, scale=scale, segment_bytes=self.segment_bytes)
+            return
         ops.allreduce(self.comm, array, op, algorithm, source=source, scale=scale, segment_bytes=self.segment_bytes)
 
     def quantized_allreduce(self, array, codec, scale=None) -> None:
@@ -115,6 +125,8 @@ class HostDevice:
         self._segment_bytes = segment_bytes
         self.results = results  # the executor's ResultPool (or None)
         self._transports: Dict[int, HostTransport] = {}
+        #: Communicators (by id) whose big allreduces go through the hosts, with their Hierarchy.
+        self.hierarchies: Dict[int, Hierarchy] = {}
 
     def scope(self):
         return contextlib.nullcontext()
@@ -138,7 +150,8 @@ class HostDevice:
     def transport(self, group) -> HostTransport:
         transport = self._transports.get(id(group.comm))
         if transport is None:
-            transport = self._transports[id(group.comm)] = HostTransport(group.comm, self._segment_bytes)
+            transport = self._transports[id(group.comm)] = HostTransport(group.comm, self._segment_bytes,
+                                                                         self.hierarchies.get(id(group.comm)))
         return transport
 
     def forget(self, comm) -> None:

@@ -32,6 +32,7 @@ from ringmaster.worker.runtime.device import Devices
 from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable  # noqa: F401 (Entry: re-exported)
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
 from ringmaster.worker.runtime.gradient_plan import overlaps_all
+from ringmaster.worker.runtime.hierarchy import split as split_hierarchy
 from ringmaster.worker.runtime.result_memory import ResultPool
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
 
@@ -64,8 +65,9 @@ class Executor(AllreducePaths):
                  on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0,
                  on_join_counted: Callable[[], None] = lambda: None,
                  across_hosts: bool = False, plan_overlap: str = "all", local_size: int = 1,
-                 result_pool: bool = True, gpu_transport: str = "auto"):
+                 result_pool: bool = True, gpu_transport: str = "auto", hierarchical: bool = False):
         self.nice = nice
+        self._hierarchical = hierarchical
         self._plan_overlap = plan_overlap
         self._local_size = local_size
         # Over a network the ring moves data at the line rate only in large segments.
@@ -85,6 +87,8 @@ class Executor(AllreducePaths):
         self._fusion: Dict[tuple, torch.Tensor] = {}  # by (dtype, device)
         # Out-of-place CPU results: in memory the caller released (no fresh pages to fault in), or new.
         self._devices = Devices(self.segment_bytes, ResultPool() if result_pool else None, gpu_transport)
+        if hierarchical:  # (a collective call: every rank makes its executors in the same order)
+            self._devices.host.hierarchies[id(comm)] = split_hierarchy(comm)
         # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.
         self._plans: Dict[tuple, object] = {}
         self._attached_plans: List[object] = []  # plans given a communicator of their own, to free at the end
@@ -162,6 +166,8 @@ class Executor(AllreducePaths):
         """Free the process sets' and gradient plans' communicators (after :meth:`stop` returned True)."""
         for plan in self._attached_plans:
             plan.comm.Free()
+            if plan.hierarchy is not None:
+                plan.hierarchy.free()
         self._attached_plans.clear()
         for set_id in [i for i in self._sets if i != 0]:
             self._sets.pop(set_id).comm.Free()
@@ -306,9 +312,12 @@ class Executor(AllreducePaths):
             # The plan's first run: every member is here, at the same place in the order, so
             # this is where it can get a communicator of its own (a collective call). Its
             # later steps go over that communicator without negotiation (GradientPlan.finish).
-            plan.attach(group.comm.Dup(), self.algorithm, self.segment_bytes, lambda: self._stopping,
+            plan_comm = group.comm.Dup()
+            plan.attach(plan_comm, self.algorithm, self.segment_bytes, lambda: self._stopping,
                         self._on_fatal, lambda: _lower_this_threads_priority(self.nice),
-                        overlap_all=overlaps_all(self._plan_overlap, self._local_size))
+                        overlap_all=overlaps_all(self._plan_overlap, self._local_size),
+                        hierarchy=split_hierarchy(plan_comm) if self._hierarchical and not response.process_set_id
+                        else None)
             self._attached_plans.append(plan)
             plan.run(plan.comm, joined=joined, algorithm=self.algorithm,
                      segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)

@@ -61,6 +61,7 @@ from ringmaster import ops
 from ringmaster.ops.waiting import eagerly, wait
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.errors import RingmasterError
+from ringmaster.worker.runtime.hierarchy import use_for as use_hierarchy
 from ringmaster.worker.runtime.tensors import flat_array
 
 #: Gradients of at least this many bytes are reduced where they lie, each on its own
@@ -158,6 +159,7 @@ class GradientPlan:
         self._missing = [len(bucket.indices) for bucket in self.buckets]
         #: The plan's own communicator, from its first run on (see :meth:`attach`).
         self.comm = None
+        self.hierarchy = None  # its hosts' communicators, with RINGMASTER_HIERARCHICAL_ALLREDUCE
         self.overlap_all = True
         self._run_settings = None                     # (algorithm, segment_bytes, stopping)
         self._steps: "queue.Queue" = queue.Queue()  # _RUN_STEP, _SERVE_JOINED, or None: end the thread
@@ -295,7 +297,7 @@ class GradientPlan:
     # --------------------------------------------------- background thread
     def attach(self, comm, algorithm: str, segment_bytes: int, stopping: Callable[[], bool],
                on_fatal: Callable[[BaseException], None], prepare_thread: Callable[[], None],
-               overlap_all: bool = True) -> None:
+               overlap_all: bool = True, hierarchy=None) -> None:
         """Give the plan its own communicator and start the thread that runs it ahead.
 
         Called on the background thread at the plan's first run, where every member of the
@@ -303,9 +305,12 @@ class GradientPlan:
         duplicated there). ``prepare_thread`` runs first on the new thread (its priority).
         The thread reduces buckets during backward only with ``overlap_all`` (see
         :func:`overlaps_all`); otherwise the hooks start the small buckets that lead the order
-        (:meth:`mark_ready`) and ``step()`` runs the rest.
+        (:meth:`mark_ready`) and ``step()`` runs the rest. ``hierarchy``: ``comm``'s
+        communicators of the hosts (``RINGMASTER_HIERARCHICAL_ALLREDUCE``): big buckets go
+        through them.
         """
         self.comm = comm
+        self.hierarchy = hierarchy
         self.overlap_all = overlap_all
         self._run_settings = (algorithm, segment_bytes, stopping)
         for bucket in self.buckets:
@@ -518,7 +523,7 @@ class GradientPlan:
         if gradients is None:  # this rank has no data left: it adds zeros
             work = torch.zeros(sum(bucket.sizes), dtype=self.parameters[bucket.indices[0]].dtype)
             # The same scale as the others: the rank finishing a chunk scales it for everyone.
-            ops.allreduce(comm, flat_array(work), "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
+            self._allreduce(comm, flat_array(work), algorithm, scale, segment_bytes)
             return
         timeline.switch([self.names[i] for i in bucket.indices], "ALLREDUCE")
         if bucket.fused:
@@ -528,8 +533,17 @@ class GradientPlan:
             work = gradients[0] if gradients[0].is_contiguous() else gradients[0].contiguous()
         if self.prescale != 1.0:
             work.mul_(self.prescale)
-        ops.allreduce(comm, flat_array(work), "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
+        self._allreduce(comm, flat_array(work), algorithm, scale, segment_bytes)
         self._unpack(number, work, gradients, scaled=True)
+
+    def _allreduce(self, comm, array, algorithm: str, scale, segment_bytes: int) -> None:
+        """A bucket's sum over ``comm``: through the hosts where the plan has them and the ring
+        would run (the same decision on every member, joined or not), else ``ops.allreduce``."""
+        if (comm is self.comm and self.hierarchy is not None
+                and use_hierarchy(algorithm, array, comm.Get_size(), "sum")):
+            self.hierarchy.allreduce(array, "sum", scale=scale, segment_bytes=segment_bytes)
+        else:
+            ops.allreduce(comm, array, "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
 
     def _unpack(self, number: int, work: torch.Tensor, gradients: List[torch.Tensor], scaled: bool = False) -> None:
         """Put bucket ``number``'s reduced ``work`` into its gradients (after the postscale, unless ``scaled``)."""

@@ -20,7 +20,7 @@ from ringmaster.common.config import Config, load_config
 from ringmaster.common.launchers import lone_task_problem
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime import autotune, current, timeline
+from ringmaster.worker.runtime import autotune, current, hierarchy, timeline
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
@@ -54,12 +54,13 @@ class Runtime:
         # Registered process sets by id (add_process_set / remove_process_set keep it).
         self.process_sets = {0: global_process_set}
         self.endpoint: CoordinatorEndpoint = find_coordinator(comm, config)
+        self.hierarchical = hierarchy.check(comm, config.hierarchical_allreduce)
         self.executor = Executor(comm, self.table, config.allreduce_algorithm,
                                  on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
                                  on_join_counted=self._join_counted,
                                  across_hosts=self.cross_size > 1, plan_overlap=config.plan_overlap,
                                  local_size=self.local_size, result_pool=config.result_pool,
-                                 gpu_transport=config.gpu_transport)
+                                 gpu_transport=config.gpu_transport, hierarchical=self.hierarchical)
         self.cache = self._start_cache(comm, config)
         self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s,
                              heartbeat=self._heartbeat,
@@ -109,7 +110,8 @@ class Runtime:
         cache_comm = comm.Dup()
         runner = Executor(cache_comm, self.table, config.allreduce_algorithm, on_join=self._joined,
                           on_fatal=self.fail, nice=config.background_nice, across_hosts=self.cross_size > 1,
-                          local_size=self.local_size, result_pool=False, gpu_transport=config.gpu_transport)
+                          local_size=self.local_size, result_pool=False, gpu_transport=config.gpu_transport,
+                          hierarchical=self.hierarchical)
         runner.results = self.executor.results  # one pool: a result may come from either path
         cache = ResponseCache(cache_comm, runner, config.cache_capacity, config.fusion_threshold_bytes,
                               config.cycle_time_ms / 1000.0, negotiate=lambda requests: self.outbox.add(requests, True),
