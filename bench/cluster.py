@@ -13,7 +13,9 @@ from host 1, in one run:
 3. ``bench/compression.py``: step time and bytes per step of dense, fp16, int8, linear8,
    rgc and topk training of a 14.4 M-parameter MLP, one rank per host;
 4. with ``--hybrid``, ``bench/hybrid.py``: HybridParallel's schemes against data parallelism
-   on the AlexNet-shaped model, one rank per host.
+   on the AlexNet-shaped model, one rank per host;
+5. with ``--hierarchical L``, ``bench/hierarchical.py``: L ranks per host, the in-place
+   allreduce flat and with ``--hierarchical-allreduce``, jobs alternating.
 
 Prints each table as it comes. Needs root, ``ip netns``, tc and sshd
 (``bash tests/cluster/setup.sh`` installs what is missing); the cluster is torn down at the
@@ -62,6 +64,9 @@ def main():
     parser.add_argument("--skip-training", action="store_true", help="only the link and allreduce tables")
     parser.add_argument("--rounds", type=int, default=2, help="bench/compression.py rounds")
     parser.add_argument("--hybrid", action="store_true", help="also bench/hybrid.py (AlexNet-shaped model)")
+    parser.add_argument("--hierarchical", type=int, default=0, metavar="L",
+                        help="also flat vs hierarchical allreduce with L ranks per host (bench/hierarchical.py)")
+    parser.add_argument("--pairs", type=int, default=2, help="flat/hierarchical job pairs with --hierarchical")
     args = parser.parse_args()
     reason = ncl.unavailable_reason()
     if reason:
@@ -84,6 +89,12 @@ def main():
             out = run_on_first_host(cluster, ringrun(cluster, "hybrid.py", "--rounds", args.rounds, "--steps", 2,
                                                      "--warmup", 1), timeout=1800)
             print(table(out), flush=True)
+        for _ in range(args.pairs if args.hierarchical else 0):
+            for flags in ([], ["--hierarchical-allreduce"]):
+                command = ringrun(cluster, "hierarchical.py", "--sizes", args.sizes, "--reps", args.reps)
+                command[3:7] = ["-np", str(args.hierarchical * len(cluster.hosts)), "-H",
+                                cluster.hosts_arg(args.hierarchical), *flags]
+                print(table(run_on_first_host(cluster, command, timeout=1200)), flush=True)
 
 
 if __name__ == "__main__":

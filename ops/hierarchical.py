@@ -5,12 +5,18 @@ buffer around a ring of ``N = H*L`` ranks, and each host's link carries that muc
 ring edge that leaves it. Here (Horovod's hierarchical allreduce, with MPI in place of
 NCCL within the host):
 
-1. within each host, a reduce-scatter (MPI over shared memory): local rank ``l`` ends
-   with the host's sum of chunk ``l`` (``np.array_split`` boundaries over ``L`` chunks);
-2. between hosts, the ranks of one local rank allreduce their chunk with
-   :func:`~ringmaster.ops.allreduce` (the ring over the network for big chunks), scaled
+1. within each host, an allreduce over shared memory (:func:`~ringmaster.ops.allreduce`):
+   every local rank holds the host's sum;
+2. between hosts, local rank ``l`` allreduces chunk ``l`` of it (``np.array_split``
+   boundaries over ``L`` chunks) with its peers of local rank ``l``
+   (:func:`~ringmaster.ops.allreduce`: the ring over the network for big chunks), scaled
    there once if asked;
 3. within each host, an allgather of the ``L`` reduced chunks, in place.
+
+Step 1 is an allreduce rather than a reduce-scatter, which would move half the bytes:
+Open MPI's ``MPI_Reduce_scatter`` took 144-321 ms for 64 MiB on 2 local ranks of this
+2-core VM, where the ring's whole allreduce took 41-54 ms (``bench/cluster.py
+--hierarchical 2``, docs/benchmarks.md).
 
 Each host then sends ``2(H-1)/H`` of the buffer over the network, split among its ``L``
 ranks' ``L`` parallel rings, instead of the flat ring's ``2(N-1)/N`` through one ring edge
@@ -29,7 +35,6 @@ from mpi4py import MPI
 from . import _checks
 from .allreduce import allreduce
 from .dtypes import mpi_datatype
-from .mpi_collectives import reducescatter
 from .ring import NETWORK_SEGMENT_BYTES
 
 
@@ -60,15 +65,16 @@ def hierarchical_allreduce(local_comm: MPI.Comm, cross_comm: MPI.Comm, buffer: n
     _checks.check_op(op, name)
     if scale is not None and buffer.dtype.kind != "f":
         raise ValueError(f"{name}: scale applies to floating-point buffers, got {buffer.dtype}")
+    if local_comm.Get_size() == 1:
+        return allreduce(cross_comm, buffer, op, algorithm, scale=scale, segment_bytes=segment_bytes)
+    allreduce(local_comm, buffer, op)
     counts = chunk_counts(buffer.size, local_comm.Get_size())
-    chunk = reducescatter(local_comm, buffer, op, counts) if local_comm.Get_size() > 1 else buffer
-    allreduce(cross_comm, chunk, op, algorithm, scale=scale, segment_bytes=segment_bytes)
-    if local_comm.Get_size() > 1:
-        offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        start = int(offsets[local_comm.Get_rank()])
-        buffer[start:start + chunk.size] = chunk
-        wire = buffer.view(np.uint8) if buffer.dtype == np.bool_ else buffer
-        local_comm.Allgatherv(MPI.IN_PLACE, [wire, counts, offsets, mpi_datatype(wire.dtype)])
+    offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    start = int(offsets[local_comm.Get_rank()])
+    allreduce(cross_comm, buffer[start:start + int(counts[local_comm.Get_rank()])], op, algorithm, scale=scale,
+              segment_bytes=segment_bytes)
+    wire = buffer.view(np.uint8) if buffer.dtype == np.bool_ else buffer
+    local_comm.Allgatherv(MPI.IN_PLACE, [wire, counts, offsets, mpi_datatype(wire.dtype)])
     return buffer
 
 
