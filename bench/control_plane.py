@@ -249,6 +249,8 @@ def measure(size: int, options: dict) -> dict:
                 _expect(pipe, "stalled", timeout=600)
             stall_step = time.monotonic() - stall_started
             warnings = [line for line in coordinator.log_lines()[lines_before:] if "WARNING" in line or "stall" in line]
+            # Before the death: the coordinator aborts the job then, and an exited process has no memory figures.
+            rss = coordinator.memory_mb()
             pipes[-1].send("cut")
             for pipe in pipes[:-1]:
                 pipe.send("watch")
@@ -256,7 +258,6 @@ def measure(size: int, options: dict) -> dict:
             cut_at = deaths[-1][1]
             aborted = [when for _, _, whens in deaths for when in whens]
             death_s = (max(aborted) - cut_at) if aborted and None not in aborted else float("nan")
-            rss = coordinator.memory_mb()
         finally:
             for process in processes:
                 process.join(timeout=30)
