@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ringmaster import ops
+from ringmaster.worker.runtime import agreement
 from ringmaster.worker.runtime.errors import RingmasterError
 
 log = logging.getLogger("ringmaster.worker")
@@ -45,15 +46,13 @@ def check(comm: MPI.Comm, wanted: bool) -> bool:
     local_size = local.Get_size()
     hosts = comm.allreduce(1 if local.Get_rank() == 0 else 0, op=MPI.SUM)
     local.Free()
-    bounds = np.array([-int(wanted), int(wanted), -local_size, local_size], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, bounds, op=MPI.MAX)  # [-min, max] of both in one call
-    if -bounds[0] != bounds[1]:
+    (fewest, most), (smallest, largest) = agreement.ranges(comm, wanted, local_size)
+    if fewest != most:
         raise RingmasterError(
             f"rank {comm.Get_rank()}: RINGMASTER_HIERARCHICAL_ALLREDUCE differs between ranks (this one "
             f"{int(wanted)}): every rank must use the same value (ringrun --hierarchical-allreduce sets it for all)")
     if not wanted:
         return False
-    smallest, largest = -int(bounds[2]), int(bounds[3])
     if smallest != largest:
         raise RingmasterError(
             f"rank {comm.Get_rank()}: RINGMASTER_HIERARCHICAL_ALLREDUCE=1 needs as many ranks on every host, but "

@@ -14,13 +14,12 @@ import sys
 import threading
 from typing import List, Optional
 
-import numpy as np
 
 from ringmaster.common.config import Config, load_config
 from ringmaster.common.launchers import lone_task_problem
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime import autotune, current, hierarchy, timeline
+from ringmaster.worker.runtime import agreement, autotune, current, hierarchy, timeline
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
@@ -95,11 +94,7 @@ class Runtime:
 
     def _start_cache(self, comm, config: Config) -> Optional[ResponseCache]:
         """The response cache (None when RINGMASTER_CACHE_CAPACITY is 0), on a communicator of its own."""
-        from mpi4py import MPI
-
-        bounds = np.array([-config.cache_capacity, config.cache_capacity], dtype=np.int64)
-        comm.Allreduce(MPI.IN_PLACE, bounds, op=MPI.MAX)  # [-lowest, highest] in one call
-        lowest, highest = -int(bounds[0]), int(bounds[1])
+        [(lowest, highest)] = agreement.ranges(comm, config.cache_capacity)
         if lowest != highest:
             raise RingmasterError(
                 f"rank {self.rank}: RINGMASTER_CACHE_CAPACITY differs between ranks (from {lowest} to {highest}; "
