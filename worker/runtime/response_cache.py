@@ -9,7 +9,7 @@ communicator of its own, runs
 *cycles*: each cycle is one small MPI allreduce (``MIN``) of a vector of integers
 
     [candidates queued, idle, events seen, -events seen, closing, join round,
-     payload key, -payload key, 256 bytes of payload, bit per slot]
+     payload key, -payload key, payload room, payload (256 bytes to 64 KiB), bit per slot]
 
 and every rank gets the same result, so every rank knows the same things at the same cycle:
 
@@ -26,8 +26,9 @@ and every rank gets the same result, so every rank knows the same things at the 
   A hit on a name whose proposal is queued but not applied yet waits for it (it would
   otherwise reach the coordinator while the other ranks' hits wait here).
 - **small data, in the cycle itself.** A rank whose only pending hit is a small CPU
-  allreduce (at most 256 bytes of float32/64 or int32/64, no prescaling or wire format) puts
-  its data in the payload. Where every rank carried the same slot, the cycle's reduction
+  allreduce (float32/64 or int32/64, no prescaling or wire format, up to the payload's room:
+  ``cache_protocol.carriable_bytes`` and ``CacheProtocol.payload_room``) puts its data in the
+  payload. Where every rank carried the same slot, the cycle's reduction
   (``cache_protocol.combine``, an MPI op of ours) reduced the data too, with MPI's own rule,
   and the slot completes with no transfer of its own: a synchronous ``rm.allreduce`` of a
   metric makes one round trip between the ranks, not two. Otherwise the payload is ignored.
