@@ -145,7 +145,7 @@ class CycleVector(NamedTuple):
     join_round: int      # joins completed here, if this rank joined; else NO_JOIN
     hits: Tuple[int, ...]  # slots with a hit pending here
     carried: Optional[Tuple[int, int, np.ndarray]] = None  # (slot, payload code, its bytes) or None
-    room: int = MIN_PAYLOAD_BYTES // 8  # the payload's words (the slot table's payload_words)
+    room: int = MIN_PAYLOAD_BYTES // 8  # the payload's words (CacheProtocol.payload_room)
 
     def encode(self, slot_count: int) -> np.ndarray:
         bits = HEADER + self.room
