@@ -46,6 +46,10 @@ class Config:
         hierarchical_allreduce: across hosts with as many ranks each, big allreduces reduce
             within each host first and run the ring only between hosts
             (``ringmaster.ops.hierarchical``; Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``).
+        host_aggregator: the first rank of each host starts a host aggregator
+            (``ringmaster.coordinator.aggregator``), through which the host's ranks reach the
+            coordinator: requests every rank of the host declared alike go to it once. For
+            jobs of hundreds of ranks (docs/benchmarks.md, "The control plane at many ranks").
         plan_overlap: which of the gradient plan's buckets start during the backward pass:
             ``"all"``, ``"small"`` (only those that are one small MPI call; the others wait
             for ``step()``), or ``"auto"``: all when each rank has a core to spare beyond
@@ -99,6 +103,7 @@ class Config:
     gradient_plan: bool = True
     plan_overlap: str = "auto"
     hierarchical_allreduce: bool = False
+    host_aggregator: bool = False
     max_message_bytes: int = 16 * MIB
     max_pending_requests: int = 65536
     cache_capacity: int = 1024
@@ -310,6 +315,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("RINGMASTER_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", _switch, "--hierarchical-allreduce",
             "across hosts with as many ranks each, reduce big tensors within each host first and run the "
             "ring only between hosts", switch=True, default_text="off"),
+    Setting("RINGMASTER_HOST_AGGREGATOR", "host_aggregator", _switch, "--host-aggregator",
+            "one daemon per host merges its ranks' requests before they reach the coordinator (for jobs "
+            "of hundreds of ranks)", switch=True, default_text="off"),
     Setting("RINGMASTER_HEARTBEAT_INTERVAL_S", "heartbeat_interval_s", _positive_float, "--heartbeat-interval-s",
             "how often an idle rank tells the coordinator it is alive", metavar="S"),
     Setting("RINGMASTER_HEARTBEAT_TIMEOUT_S", "heartbeat_timeout_s", _positive_float, "--heartbeat-timeout-s",

@@ -219,6 +219,39 @@ class Negotiator:
             return
         self._complete_if_ready(entry)
 
+    def add_merged(self, ranks: Sequence[int], request: pb.TensorRequest) -> None:
+        """Record that every rank of ``ranks`` is ready to run ``request``, which each declared
+        with the same bytes (a host aggregator merged them: coordinator/host_links.py).
+
+        The same as :meth:`add_request` for each rank in turn, with the work that does not
+        depend on the rank (decoding, validation, the lookup) done once. Anything but a plain
+        request of the global set that no rank of ``ranks`` has declared yet goes through
+        :meth:`add_request` rank by rank, so that its errors name the rank they would name.
+        """
+        key = (request.process_set_id, request.name)
+        entry = self._pending.get(key)
+        if (request.process_set_id != GLOBAL_SET or request.group or request.op_type in (pb.JOIN, pb.CACHE_WAKE)
+                or self._departed or len(ranks) < 2
+                or (entry is not None and not entry.requests.keys().isdisjoint(ranks))
+                or any(self._pending_by_rank[rank] >= self.max_pending_requests for rank in ranks)
+                or not all(0 <= rank < self.size for rank in ranks)):
+            for rank in ranks:
+                self.add_request(rank, request)
+            return
+        serialized = request.SerializeToString()
+        if entry is None or serialized != next(iter(entry.requests.values()), None):
+            problem = request_problem(request, self.size, self.max_pending_requests)
+            if problem is not None:
+                self._reject(ranks[0], request, problem)
+                return
+        if entry is None:
+            entry = self._pending[key] = PendingTensor(request.name, self._clock(), GLOBAL_SET, request.op_type)
+        entry.requests.update(dict.fromkeys(ranks, serialized))
+        pending_by_rank = self._pending_by_rank
+        for rank in ranks:
+            pending_by_rank[rank] += 1
+        self._complete_if_ready(entry)
+
     def _reject(self, rank: int, request: pb.TensorRequest, problem: Problem) -> None:
         """Answer a request that cannot run with INVALID_REQUEST, naming the rank and the field.
 

@@ -33,6 +33,7 @@ from ringmaster.common import keepalive
 from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.coordinator.auth import TokenInterceptor
 from ringmaster.coordinator.generation import Generation
+from ringmaster.coordinator.host_links import HostLink, HostedSession, link_ended, send_to_each
 from ringmaster.coordinator.negotiation import Stall
 from ringmaster.coordinator.outgoing import response_lists
 from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
@@ -160,6 +161,11 @@ class Coordinator:
 
     # ------------------------------------------------------------- streams
     def on_connect(self, session: RankSession) -> None:
+        self._unregistered.add(session)
+
+    def on_connect_hosted(self, session: HostedSession) -> None:
+        """A rank's stream through a host aggregator sent its first message."""
+        session.on_closed = self.on_disconnect  # no stream handler of its own reports its end
         self._unregistered.add(session)
 
     async def read_stream(self, session: RankSession, request_iterator) -> None:
@@ -312,8 +318,9 @@ class Coordinator:
             return
         session.gone = True
         if self._needs(session):
+            why = getattr(session, "end_reason", None) or _why_a_stream_ended(session)
             self._abort_job(pb.RANK_FAILED, f"{session.describe()} lost its connection to the coordinator "
-                            f"without shutting down: {_why_a_stream_ended(session)}", session.rank, session.hostname)
+                            f"without shutting down: {why}", session.rank, session.hostname)
         elif session.said_goodbye and self._sessions.get(session.rank) is session:
             del self._sessions[session.rank]
             if not self._sessions:
@@ -359,13 +366,18 @@ class Coordinator:
                                                                              responses=responses)))
 
     def _broadcast(self, message: pb.CoordinatorMessage) -> None:
-        data = message.SerializeToString()  # once, for every stream
+        data = message.SerializeToString()  # once, for every stream (and once per host aggregator)
         limit = UNREAD_LIMIT_FACTOR * self.config.max_message_bytes
-        for session in list(self._sessions.values()):
-            session.send(data)
-            if session.unread_bytes > limit and not (session.gone or session.closing):
-                self._breach(session, f"stopped reading its stream: {session.unread_bytes} bytes of responses "
-                             f"wait for it, more than {UNREAD_LIMIT_FACTOR} x {KNOB}")
+        for carrier in send_to_each(list(self._sessions.values()), data):
+            if carrier.unread_bytes <= limit:
+                continue
+            what = (f"stopped reading its stream: {carrier.unread_bytes} bytes of responses wait for it, more "
+                    f"than {UNREAD_LIMIT_FACTOR} x {KNOB}")
+            if isinstance(carrier, HostLink):
+                link_ended(self, carrier, f"its host aggregator {what}")
+                return
+            if not (carrier.gone or carrier.closing):
+                self._breach(carrier, what)
                 return
 
     def _abort_job(self, kind: int, reason: str, failed_rank: int = -1, failed_host: str = "",
@@ -376,12 +388,12 @@ class Coordinator:
             self.on_abort(kind, reason, failed_rank, failed_host)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=failed_rank,
                                                      failed_host=failed_host, stalled_ranks=stalled_ranks))
-        data = abort.SerializeToString()
-        for session in self._sessions.values():
-            session.send(data)
+        sessions = list(self._sessions.values())
+        send_to_each(sessions, abort.SerializeToString())
+        self._sessions.clear()
+        for session in sessions:
             session.gone = True
             session.close()
-        self._sessions.clear()
         if self.elastic and kind == pb.RANK_FAILED:
             self._await_survivors()
             return

@@ -58,13 +58,18 @@ class RankSession:
 
 
 class CoordinatorServicer:
-    """The two calls of ``service Coordinator``, served by a :class:`~.server.Coordinator`."""
+    """The calls of ``service Coordinator``, served by a :class:`~.server.Coordinator`."""
 
     def __init__(self, coordinator):
         self._coordinator = coordinator
 
     async def Ping(self, request: bytes, context):
         return pb.Empty()
+
+    async def NegotiateHost(self, request_iterator, context):
+        from ringmaster.coordinator.host_links import HostLink, serve_host_stream
+
+        await serve_host_stream(self._coordinator, HostLink(context.peer()), request_iterator, context)
 
     async def Negotiate(self, request_iterator, context):
         session = RankSession(context.peer())
@@ -91,6 +96,8 @@ def method_handlers(servicer: CoordinatorServicer):
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Negotiate": grpc.stream_stream_rpc_method_handler(
             servicer.Negotiate, request_deserializer=None, response_serializer=None),
+        "NegotiateHost": grpc.stream_stream_rpc_method_handler(
+            servicer.NegotiateHost, request_deserializer=None, response_serializer=None),
         "Ping": grpc.unary_unary_rpc_method_handler(
             servicer.Ping, request_deserializer=None, response_serializer=pb.Empty.SerializeToString),
     })

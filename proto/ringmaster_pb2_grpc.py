@@ -44,6 +44,11 @@ class CoordinatorStub:
                 request_serializer=ringmaster__pb2.Empty.SerializeToString,
                 response_deserializer=ringmaster__pb2.Empty.FromString,
                 _registered_method=True)
+        self.NegotiateHost = channel.stream_stream(
+                '/ringmaster.Coordinator/NegotiateHost',
+                request_serializer=ringmaster__pb2.HostUpstream.SerializeToString,
+                response_deserializer=ringmaster__pb2.HostDownstream.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -62,6 +67,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NegotiateHost(self, request_iterator, context):
+        """A host aggregator's one stream for the ranks of its host.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +86,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=ringmaster__pb2.Empty.FromString,
                     response_serializer=ringmaster__pb2.Empty.SerializeToString,
+            ),
+            'NegotiateHost': grpc.stream_stream_rpc_method_handler(
+                    servicer.NegotiateHost,
+                    request_deserializer=ringmaster__pb2.HostUpstream.FromString,
+                    response_serializer=ringmaster__pb2.HostDownstream.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +147,33 @@ class Coordinator:
             '/ringmaster.Coordinator/Ping',
             ringmaster__pb2.Empty.SerializeToString,
             ringmaster__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NegotiateHost(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ringmaster.Coordinator/NegotiateHost',
+            ringmaster__pb2.HostUpstream.SerializeToString,
+            ringmaster__pb2.HostDownstream.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,7 @@ from ringmaster.common.config import Config, load_config
 from ringmaster.common.launchers import lone_task_problem
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime import agreement, autotune, current, hierarchy, timeline
+from ringmaster.worker.runtime import agreement, autotune, current, hierarchy, host_aggregator, timeline
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
@@ -53,6 +53,7 @@ class Runtime:
         # Registered process sets by id (add_process_set / remove_process_set keep it).
         self.process_sets = {0: global_process_set}
         self.endpoint: CoordinatorEndpoint = find_coordinator(comm, config)
+        self.route = host_aggregator.route(comm, config, self.endpoint.address, self.endpoint.secret)
         self.hierarchical = hierarchy.check(comm, config.hierarchical_allreduce)
         self.executor = Executor(comm, self.table, config.allreduce_algorithm,
                                  on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
@@ -65,7 +66,7 @@ class Runtime:
                              heartbeat=self._heartbeat,
                              max_message_bytes=config.max_message_bytes)
         self.client = CoordinatorClient(
-            self.endpoint.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
+            self.route.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
             self.outbox, on_responses=self.executor.submit, on_fatal=self.fail,
             max_message_bytes=config.max_message_bytes)
         autotune.attach(self)  # RINGMASTER_AUTOTUNE: before the thread that uses it starts
@@ -83,6 +84,7 @@ class Runtime:
                 self.cache.stop(0)
             self.executor.stop(1)
             self.endpoint.stop(timeout_s=0)  # a coordinator this rank started must not outlive the failure
+            self.route.release(kill=True)
             raise
 
     def _heartbeat(self) -> pb.Heartbeat:
@@ -208,6 +210,7 @@ class Runtime:
         cache_stopped = self.cache.stop() if self.cache is not None else True
         self.client.close()
         stopped = self.executor.stop()
+        self.route.release()
         self.endpoint.stop()
         self.handles.fail_all(NotInitializedError("ringmaster was shut down before this operation finished"))
         if stopped:
