@@ -3,6 +3,7 @@
     python bench/control_plane.py --ranks 64,256,1024
     python bench/control_plane.py --ranks 32 --steps 5 --json out.json     # what the test runs
     python bench/control_plane.py --ranks 64,256,1024 --plot docs/control_plane.png
+    python bench/control_plane.py --ranks 1024 --ranks-per-host 8      # through host aggregators
 
 The coordinator is started as ``ringrun`` starts it (``launch.coordinator_process``'s command
 line and environment, a fresh job secret). The N ranks are gRPC clients, one channel and
@@ -26,6 +27,17 @@ Measured, per N:
 - **same order**: every rank received the same response lists, in the same order, with
   the same fused names (a hash of them per rank).
 
+With ``--ranks-per-host K`` the ranks reach the coordinator through host aggregators
+(``RINGMASTER_HOST_AGGREGATOR``), K ranks per host. The last ``--real-hosts`` hosts run the
+real aggregator (``ringmaster.coordinator.aggregator``, in a worker process) with K simulated
+ranks connected to it, as a real host would; they hold the late rank of the stall and the
+rank whose death is timed. The other hosts are simulated at the aggregator's side of the
+wire: one ``NegotiateHost`` stream each, registering K ranks and sending each list of
+requests once, merged for all K, when the last of its ranks would have declared it (its
+skew is the largest of K ranks' skews). On a real cluster every aggregator has its own
+host; here the simulated ones cost the coordinator exactly what real ones would send it,
+without K simulated ranks each taking CPU from it.
+
 Prints a table; ``--json`` writes every figure, ``--plot`` a PNG of latency and memory
 against N (matplotlib). Progress goes to stderr.
 """
@@ -48,11 +60,14 @@ import time
 import grpc
 
 from ringmaster.common.message_size import grpc_options
+from ringmaster.coordinator.aggregator import HostAggregator
 from ringmaster.coordinator.auth import call_metadata
+from ringmaster.coordinator.host_merge import HOLD_S
 from ringmaster.launch.coordinator_process import CoordinatorProcess
 from ringmaster.proto import ringmaster_pb2 as pb
 
 NEGOTIATE = "/ringmaster.Coordinator/Negotiate"
+NEGOTIATE_HOST = "/ringmaster.Coordinator/NegotiateHost"
 MESSAGE_BYTES = 16 << 20
 LIST_SIZE = 10  # requests per message, as a backward pass hands gradients over in bursts
 
@@ -62,6 +77,14 @@ def progress(text: str) -> None:
 
 
 # ------------------------------------------------------------------ a simulated rank
+def step_requests(names):
+    """The request lists a rank sends in a step: every tensor, last first, in lists of ten."""
+    order = names[::-1]
+    return [[pb.TensorRequest(name=name, op_type=pb.ALLREDUCE, reduce_op=pb.AVERAGE, dtype="float32",
+                              shape=[256, 256], device="cpu", prescale_factor=1.0, postscale_factor=1.0)
+             for name in order[start:start + LIST_SIZE]] for start in range(0, len(order), LIST_SIZE)]
+
+
 class SimulatedRank:
     """One rank: a channel, a ``Negotiate`` stream, a heartbeat task and the steps' timings."""
 
@@ -103,21 +126,25 @@ class SimulatedRank:
             await asyncio.sleep(interval_s)
             self.send(pb.RankMessage(heartbeat=pb.Heartbeat()))
 
+    async def read_message(self):
+        message = await self.call.read()
+        if message is not grpc.aio.EOF:
+            self.received += 1
+        return message
+
     async def step(self, skew_s: float) -> None:
         """Declare every tensor after ``skew_s``; return once responses named them all."""
         await asyncio.sleep(skew_s)
-        order = self.names[::-1]
-        for start in range(0, len(order), LIST_SIZE):
-            requests = [pb.TensorRequest(name=name, op_type=pb.ALLREDUCE, reduce_op=pb.AVERAGE, dtype="float32",
-                                         shape=[256, 256], device="cpu", prescale_factor=1.0, postscale_factor=1.0)
-                        for name in order[start:start + LIST_SIZE]]
+        for requests in step_requests(self.names):
             self.send(pb.RankMessage(requests=pb.RequestList(requests=requests)))
             await asyncio.sleep(0)
         self.step_requests_at.append(time.monotonic())
+        await self._read_step()
+
+    async def _read_step(self) -> None:
         missing, responses = set(self.names), 0
         while missing:
-            message = await self.call.read()
-            self.received += 1
+            message = await self.read_message()
             kind = message.WhichOneof("kind")
             if kind == "abort":
                 raise RuntimeError(f"rank {self.rank}: the job was aborted: {message.abort.reason}")
@@ -133,7 +160,7 @@ class SimulatedRank:
 
     async def await_abort(self) -> None:
         while True:
-            message = await self.call.read()
+            message = await self.read_message()
             if message is grpc.aio.EOF:
                 return
             if message.WhichOneof("kind") == "abort":
@@ -148,16 +175,110 @@ class SimulatedRank:
         return cut_at
 
 
-async def _worker_main(ranks, size, address, secret, options, pipe) -> None:
-    simulated = [SimulatedRank(rank, size, address, secret, options["tensors"]) for rank in ranks]
+class SimulatedHost(SimulatedRank):
+    """A host aggregator's side of the wire for ``per_host`` ranks: one ``NegotiateHost``
+    stream, each request list sent once for all its ranks (as the real aggregator does when
+    every rank of its host declared alike)."""
+
+    def __init__(self, first_rank: int, per_host: int, size: int, address: str, secret: str, tensors: int,
+                 messages: int = 2):
+        self.rank, self.size, self.tensors, self.per_host = first_rank, size, tensors, per_host
+        self.messages = messages
+        self.channel = grpc.aio.insecure_channel(address, options=grpc_options(MESSAGE_BYTES))
+        self.outgoing: asyncio.Queue = asyncio.Queue()
+        self.call = self.channel.stream_stream(NEGOTIATE_HOST, request_serializer=None,
+                                               response_deserializer=pb.HostDownstream.FromString)(
+            self._requests(), metadata=call_metadata(secret))
+        self.names = [f"grad.{index}" for index in range(tensors)]
+        self.streams = list(range(per_host))
+        self.delivered = []  # messages of the last HostDownstream not yet read
+        self.cycle_s = 0.001  # RINGMASTER_CYCLE_TIME's default: the real aggregator's least time between sends
+        self.sent = self.received = 0
+        self.welcomed_at = self.aborted_at = None
+        self.step_requests_at, self.step_done_at, self.step_responses = [], [], []
+        self.order = hashlib.sha256()
+
+    def send_hosted(self, *hosted) -> None:
+        self.send(pb.HostUpstream(messages=hosted))
+
+    async def read_message(self):
+        while not self.delivered:
+            downstream = await self.call.read()
+            if downstream is grpc.aio.EOF:
+                return downstream
+            self.received += 1
+            self.delivered.extend(delivery.message for delivery in downstream.deliveries if delivery.message)
+        return pb.CoordinatorMessage.FromString(self.delivered.pop(0))
+
+    async def register(self) -> None:
+        self.send_hosted(*(pb.HostedMessage(streams=[stream], message=pb.RankMessage(register=pb.Register(
+            rank=self.rank + stream, size=self.size, hostname=f"sim{self.rank // self.per_host}",
+            pid=100000 + self.rank + stream))) for stream in self.streams))
+        message = await self.read_message()
+        assert message.WhichOneof("kind") == "welcome", message
+        self.welcomed_at = time.monotonic()
+
+    async def heartbeats(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.send_hosted(*(pb.HostedMessage(streams=[stream], message=pb.RankMessage(heartbeat=pb.Heartbeat()))
+                               for stream in self.streams))
+
+    async def step(self, skew_s: float) -> None:
+        """The step's lists merged, as ``messages`` messages one cycle apart: the real
+        aggregator sends the first list at once and batches what follows within a cycle (how
+        many it sent per step is in the results: ``aggregator_messages_per_step``)."""
+        await asyncio.sleep(skew_s)
+        lists = step_requests(self.names)
+        groups = [lists[:1]] + _split(lists[1:], self.messages - 1) if self.messages > 1 else [lists]
+        for index, group in enumerate(group for group in groups if group):
+            if index:
+                await asyncio.sleep(self.cycle_s)
+            self.send_hosted(pb.HostedMessage(streams=self.streams, message=pb.RankMessage(
+                requests=pb.RequestList(requests=[request for requests in group for request in requests]))))
+        self.step_requests_at.append(time.monotonic())
+        await self._read_step()
+
+
+def _split(items, parts: int):
+    """``items`` in ``parts`` consecutive runs of (nearly) equal length."""
+    size, extra = divmod(len(items), max(parts, 1))
+    runs, start = [], 0
+    for index in range(max(parts, 1)):
+        end = start + size + (index < extra)
+        runs.append(items[start:end])
+        start = end
+    return runs
+
+
+async def _worker_main(ranks, size, address, secret, options, pipe, hosts=()) -> None:
+    """Runs ``ranks`` (direct streams) and ``hosts``: (first rank, ranks per host, real)."""
+    tensors, aggregators, simulated = options["tensors"], [], []
+    for first, per_host, real in hosts:
+        if real:  # the real aggregator, with its ranks connected to it as on a real host
+            aggregator = HostAggregator(address, secret, MESSAGE_BYTES, hold_s=options["hold_s"])
+            await aggregator.start()
+            aggregators.append(aggregator)
+            simulated += [SimulatedRank(rank, size, aggregator.address, secret, tensors)
+                          for rank in range(first, first + per_host)]
+    simulated += [SimulatedHost(first, per_host, size, address, secret, tensors, options["host_messages"])
+                  for first, per_host, real in hosts if not real]
+    simulated += [SimulatedRank(rank, size, address, secret, tensors) for rank in ranks]
     await asyncio.gather(*(rank.register() for rank in simulated))
     beats = [asyncio.ensure_future(rank.heartbeats(options["heartbeat_interval_s"])) for rank in simulated]
     pipe.send(("registered", max(rank.welcomed_at for rank in simulated)))
-    generator = random.Random(ranks[0])
+    generator = random.Random(simulated[0].rank)
+    def skew(rank) -> float:  # a simulated host sends when the last of its ranks would have
+        return max(generator.uniform(0, options["skew_ms"]) / 1e3 for _ in range(getattr(rank, "per_host", 1)))
+
+    writes_before = [aggregator.upstream_writes for aggregator in aggregators]
     for step in range(options["steps"]):
-        await asyncio.gather(*(rank.step(generator.uniform(0, options["skew_ms"]) / 1e3) for rank in simulated))
+        await asyncio.gather(*(rank.step(skew(rank)) for rank in simulated))
+    writes = [(aggregator.upstream_writes - before) / options["steps"]
+              for aggregator, before in zip(aggregators, writes_before)]
     pipe.send(("steps", [(rank.rank, rank.step_requests_at, rank.step_done_at, rank.step_responses, rank.sent,
-                          rank.received, rank.order.hexdigest()) for rank in simulated]))
+                          rank.received, rank.order.hexdigest(), getattr(rank, "per_host", 1)) for rank in simulated],
+               writes))
     # the stall: the last rank of the job holds back its requests
     stall_s = options["stall_s"]
     await asyncio.gather(*(rank.step(stall_s if rank.rank == size - 1 else 0.0) for rank in simulated))
@@ -175,11 +296,13 @@ async def _worker_main(ranks, size, address, secret, options, pipe) -> None:
     for rank in simulated:
         rank.send(None)
         await rank.channel.close(grace=None)
+    for aggregator in aggregators:
+        await aggregator.stop()
 
 
-def _worker(ranks, size, address, secret, options, pipe) -> None:
+def _worker(ranks, size, address, secret, options, pipe, hosts=()) -> None:
     try:
-        asyncio.run(_worker_main(ranks, size, address, secret, options, pipe))
+        asyncio.run(_worker_main(ranks, size, address, secret, options, pipe, hosts))
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which stops the run
         pipe.send(("error", f"{type(error).__name__}: {error}"))
 
@@ -222,26 +345,49 @@ class Coordinator:
 
 
 # ------------------------------------------------------------------ one N
+def assign(size: int, options: dict):
+    """Per worker process: (its direct ranks, its hosts as (first rank, ranks, real)). The last
+    process holds the last host, a real one, whose first rank is the one cut for the death."""
+    workers = min(options["processes"], size)
+    per_host = options["ranks_per_host"]
+    if per_host <= 1:
+        return [(list(range(index, size, workers)), []) for index in range(workers)]
+    if size % per_host:
+        raise SystemExit(f"--ranks-per-host {per_host} does not divide {size} ranks")
+    count = size // per_host
+    real = min(max(options["real_hosts"], 1), count)
+    hosts = [(host * per_host, per_host, host >= count - real) for host in range(count)]
+    workers = min(workers, count)
+    assignments = [([], hosts[index:count:workers][::-1]) for index in range(workers)]
+    last = hosts[-1]
+    for _, held in assignments:
+        if last in held:
+            held.remove(last)
+    assignments[-1][1].insert(0, last)
+    return assignments
+
+
 def measure(size: int, options: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="ringmaster-control-plane-") as directory:
         coordinator = Coordinator(size, options, directory)
         context = multiprocessing.get_context("spawn")
         processes, pipes = [], []
-        workers = min(options["processes"], size)
+        assignments = assign(size, options)
         try:
             started = time.monotonic()
-            for index in range(workers):
+            for ranks, hosts in assignments:
                 parent, child = context.Pipe()
-                process = context.Process(target=_worker, args=(list(range(index, size, workers)), size,
-                                                                coordinator.address, coordinator.secret, options,
-                                                                child), daemon=True)
+                process = context.Process(target=_worker, args=(ranks, size, coordinator.address, coordinator.secret,
+                                                                options, child, hosts), daemon=True)
                 process.start()
                 processes.append(process)
                 pipes.append(parent)
             registered = max(_expect(pipe, "registered")[1] for pipe in pipes) - started
             progress(f"{size} ranks registered in {registered:.2f} s")
             cpu_before, wall_before = coordinator.cpu_s(), time.monotonic()
-            records = [record for pipe in pipes for record in _expect(pipe, "steps", timeout=600)[1]]
+            reports = [_expect(pipe, "steps", timeout=600) for pipe in pipes]
+            records = [record for report in reports for record in report[1]]
+            writes = [per_step for report in reports for per_step in report[2]]
             cpu, wall = coordinator.cpu_s() - cpu_before, time.monotonic() - wall_before
             lines_before = len(coordinator.log_lines())
             stall_started = time.monotonic()
@@ -267,14 +413,17 @@ def measure(size: int, options: dict) -> dict:
     steps = options["steps"]
     latencies = []
     for step in range(steps):
-        last_request = max(requests[step] for _, requests, _, _, _, _, _ in records)
-        last_response = max(done[step] for _, _, done, _, _, _, _ in records)
+        last_request = max(requests[step] for _, requests, *_ in records)
+        last_response = max(done[step] for _, _, done, *_ in records)
         latencies.append(last_response - last_request)
-    fused = statistics.median(next(responses for rank, _, _, responses, _, _, _ in records if rank == 0))
-    messages = sum(sent + received for *_, sent, received, _ in records)
+    fused = statistics.median(next(responses for rank, _, _, responses, *_ in records if rank == 0))
+    messages = sum(sent + received for *_, sent, received, _, _ in records)
     ordered = sorted(latencies)
     return {
         "ranks": size, "tensors": options["tensors"], "steps": steps,
+        "ranks_per_host": options["ranks_per_host"], "host_messages": options["host_messages"],
+        "real_hosts": min(options["real_hosts"], size // options["ranks_per_host"])
+        if options["ranks_per_host"] > 1 else 0,
         "register_s": registered,
         "negotiation_p50_ms": 1e3 * statistics.median(latencies),
         "negotiation_p99_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
@@ -284,8 +433,10 @@ def measure(size: int, options: dict) -> dict:
         "messages_per_s": messages / wall,
         "stall_step_s": stall_step, "stall_warning_lines": len(warnings), "stall_warnings": warnings[:5],
         "death_to_every_rank_s": death_s,
-        "same_order_on_every_rank": len({order for *_, order in records}) == 1,
-        "ranks_reporting": len(records),
+        "same_order_on_every_rank": len({order for *_, order, _ in records}) == 1,
+        "ranks_reporting": sum(ranks for *_, ranks in records),
+        # messages each real host aggregator sent the coordinator per step (a simulated host sends one per list)
+        "aggregator_messages_per_step": statistics.median(writes) if writes else None,
     }
 
 
@@ -341,6 +492,15 @@ def main(argv=None) -> int:
     parser.add_argument("--tensors", type=int, default=100, help="tensors declared per rank and step")
     parser.add_argument("--skew-ms", type=float, default=20.0, help="largest per-rank delay before a step's requests")
     parser.add_argument("--processes", type=int, default=4, help="worker processes holding the simulated ranks")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="reach the coordinator through host aggregators of this many ranks (1: directly)")
+    parser.add_argument("--real-hosts", type=int, default=1,
+                        help="with --ranks-per-host: how many hosts run the real aggregator with simulated ranks")
+    parser.add_argument("--host-messages", type=int, default=2,
+                        help="messages a simulated host sends per step: its lists merged, one cycle apart "
+                             "(default %(default)s: the first list, then the rest; 10: one per list)")
+    parser.add_argument("--hold-ms", type=float, default=1e3 * HOLD_S,
+                        help="the aggregators' hold time (default %(default)g)")
     parser.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     parser.add_argument("--stall-warning-s", type=float, default=2.0)
     parser.add_argument("--json", metavar="PATH", help="write every figure here")
@@ -348,12 +508,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     options = {"tensors": args.tensors, "steps": args.steps, "skew_ms": args.skew_ms, "processes": args.processes,
                "heartbeat_interval_s": args.heartbeat_interval_s, "stall_warning_s": args.stall_warning_s,
-               "stall_s": 2.5 * args.stall_warning_s}
+               "stall_s": 2.5 * args.stall_warning_s, "ranks_per_host": args.ranks_per_host,
+               "real_hosts": args.real_hosts, "hold_s": args.hold_ms / 1e3,
+               "host_messages": args.host_messages}
     rows = []
     for size in (int(text) for text in args.ranks.split(",")):
         progress(f"{size} ranks, {args.steps} steps of {args.tensors} tensors")
         rows.append(measure(size, options))
-    print(f"# {args.tensors} tensors per step, skew up to {args.skew_ms:g} ms, {args.processes} worker processes, "
+    through = (f"through host aggregators of {args.ranks_per_host} ranks ({args.real_hosts} real; the simulated "
+               f"ones send {args.host_messages} messages a step), "
+               if args.ranks_per_host > 1 else "")
+    print(f"# {through}{args.tensors} tensors per step, skew up to {args.skew_ms:g} ms, {args.processes} worker processes, "
           f"{os.cpu_count()} cores; stall: one rank {options['stall_s']:g} s late "
           f"(RINGMASTER_STALL_WARNING_S={args.stall_warning_s:g})")
     print_table(rows)

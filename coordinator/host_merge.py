@@ -131,6 +131,9 @@ class HostMerge:
         batch, self._batch = self._batch, []
         return batch
 
+    def has_batch(self) -> bool:
+        return bool(self._batch)
+
     def held_count(self) -> int:
         return len(self._held)
 

@@ -224,17 +224,18 @@ class Negotiator:
         with the same bytes (a host aggregator merged them: coordinator/host_links.py).
 
         The same as :meth:`add_request` for each rank in turn, with the work that does not
-        depend on the rank (decoding, validation, the lookup) done once. Anything but a plain
-        request of the global set that no rank of ``ranks`` has declared yet goes through
-        :meth:`add_request` rank by rank, so that its errors name the rank they would name.
+        depend on the rank (validation, the lookup, the completion check) done once; an
+        invalid request is answered once, naming the first rank. Anything but a plain request
+        of the global set that none of ``ranks`` has declared yet goes through
+        :meth:`add_request` rank by rank, so that its errors are those of a direct stream.
+        ``ranks`` are distinct ranks of this job (the caller takes them from registered sessions).
         """
         key = (request.process_set_id, request.name)
         entry = self._pending.get(key)
         if (request.process_set_id != GLOBAL_SET or request.group or request.op_type in (pb.JOIN, pb.CACHE_WAKE)
                 or self._departed or len(ranks) < 2
                 or (entry is not None and not entry.requests.keys().isdisjoint(ranks))
-                or any(self._pending_by_rank[rank] >= self.max_pending_requests for rank in ranks)
-                or not all(0 <= rank < self.size for rank in ranks)):
+                or (entry is None and self._over_pending_limit(ranks))):
             for rank in ranks:
                 self.add_request(rank, request)
             return
@@ -251,6 +252,13 @@ class Negotiator:
         for rank in ranks:
             pending_by_rank[rank] += 1
         self._complete_if_ready(entry)
+
+    def _over_pending_limit(self, ranks: Sequence[int]) -> bool:
+        limit, pending_by_rank = self.max_pending_requests, self._pending_by_rank
+        for rank in ranks:
+            if pending_by_rank[rank] >= limit:
+                return True
+        return False
 
     def _reject(self, rank: int, request: pb.TensorRequest, problem: Problem) -> None:
         """Answer a request that cannot run with INVALID_REQUEST, naming the rank and the field.
@@ -402,19 +410,21 @@ class Negotiator:
 
     # ------------------------------------------------------------ validation
     def _build_response(self, entry: PendingTensor, joined: List[int]) -> pb.Response:
-        parsed: Dict[bytes, pb.TensorRequest] = {}  # identical requests (the usual case) are parsed once
-        requests = {}
-        for rank, encoded in entry.requests.items():
-            request = parsed.get(encoded)
-            if request is None:
-                request = parsed[encoded] = pb.TensorRequest.FromString(encoded)
-            requests[rank] = request
-        first = requests[min(requests)]
-        op = first.op_type
-        # Identical requests need no field-by-field diagnosis.
-        mismatch = None if len(parsed) == 1 else self._find_mismatch(entry.name, op, requests)
-        if mismatch:
-            return _error_response(entry.name, pb.MISMATCH, mismatch, entry.process_set_id)
+        distinct = set(entry.requests.values())
+        if len(distinct) == 1:
+            # Identical requests (the usual case): parsed once, no field-by-field diagnosis, and
+            # no loop over the ranks in Python (at 1,024 ranks, one per tensor cost 10 ms a step).
+            first = pb.TensorRequest.FromString(distinct.pop())
+            op = first.op_type
+            requests = dict.fromkeys(entry.requests, first) if op in (pb.ALLGATHER, pb.ALLTOALL) else {}
+        else:
+            parsed = {encoded: pb.TensorRequest.FromString(encoded) for encoded in distinct}
+            requests = {rank: parsed[encoded] for rank, encoded in entry.requests.items()}
+            first = requests[min(requests)]
+            op = first.op_type
+            mismatch = self._find_mismatch(entry.name, op, requests)
+            if mismatch:
+                return _error_response(entry.name, pb.MISMATCH, mismatch, entry.process_set_id)
         if joined and op not in JOINABLE:
             return _error_response(
                 entry.name, pb.INVALID_REQUEST,
@@ -563,8 +573,9 @@ class Negotiator:
             entry.warned = True
             kind = _STALL_KINDS.get(entry.op_type, "tensor")
             if entry.process_set_id == GLOBAL_SET:
-                waiting = sorted(set(entry.requests) | set(self._joined))
-                missing = [r for r in range(self.size) if r not in waiting]
+                ready = set(entry.requests).union(self._joined)  # a set: 1,024 ranks x a list was O(ranks^2)
+                waiting = sorted(ready)
+                missing = [r for r in range(self.size) if r not in ready]
                 found.append(Stall(entry.name, waiting, missing, age, kind=kind))
                 continue
             ranks = self._sets[entry.process_set_id].ranks
