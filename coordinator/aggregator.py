@@ -191,6 +191,8 @@ class HostAggregator:
 
     def _deliver(self, downstream: pb.HostDownstream) -> None:
         for delivery in downstream.deliveries:
+            if not delivery.streams and delivery.message:
+                self._note_completions(delivery.message)
             if delivery.streams:
                 targets = [self._streams[n] for n in delivery.streams if n in self._streams]
             else:
@@ -200,6 +202,15 @@ class HostAggregator:
                     stream.outbox.put_nowait(delivery.message)
                 if delivery.close:
                     self._close(stream)
+
+    def _note_completions(self, data: bytes) -> None:
+        """Tell the merge which tensors the coordinator answered (one decode per response list
+        for the whole host): a rank declaring one of them again before that is an error."""
+        message = pb.CoordinatorMessage.FromString(data)
+        if message.WhichOneof("kind") == "responses":
+            for response in message.responses.responses:
+                for name in response.names:
+                    self._merge.completed((response.process_set_id, name))
 
     def _upstream_lost(self, why: str) -> None:
         """The path to the coordinator is gone: every rank of this host learns it, now."""

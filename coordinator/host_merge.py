@@ -14,7 +14,9 @@ Nothing waits for long, and nothing is reordered where order matters:
   so it must see exactly who declared what);
 - a request whose bytes differ from the first (a mismatch, or an allgather whose first
   dimensions differ) or one a stream declares twice releases what was held of it unmerged:
-  the coordinator gives its usual error;
+  the coordinator gives its usual error. "Twice" includes a tensor whose first declaration
+  already went upstream and whose response has not come back (:meth:`HostMerge.completed`
+  is told of every response passing down);
 - before a stream's join, goodbye or other control message goes upstream, the requests
   held for that stream go, unmerged, in the order it sent them;
 - a stream that joins or leaves stops being a participant: what the others held for it goes
@@ -65,6 +67,8 @@ class HostMerge:
         self._held: "collections.OrderedDict[Tuple[int, str], _Held]" = collections.OrderedDict()
         self._held_by_stream: Dict[int, List[Tuple[int, str]]] = collections.defaultdict(list)
         self._batch: List[pb.HostedMessage] = []
+        # (set, name) -> streams whose declaration went upstream, until its response comes back
+        self._in_flight: Dict[Tuple[int, str], set] = {}
         self.merged = 0    # requests sent upstream merged
         self.unmerged = 0  # requests sent upstream as they came
 
@@ -107,8 +111,10 @@ class HostMerge:
         held = self._held.get(key)
         if held is not None and (stream in held.streams or data != held.data):
             self._release(key)
-            held = None
             self._forward_request(stream, request)
+            return
+        if held is None and stream in self._in_flight.get(key, ()):
+            self._forward_request(stream, request)  # declared again before its response: the coordinator's error
             return
         if held is None:
             self._held[key] = _Held(request, data, stream, now)
@@ -125,6 +131,10 @@ class HostMerge:
             if now - held.since < self.hold_s:
                 return
             self._release(key)
+
+    def completed(self, key: Tuple[int, str]) -> None:
+        """The coordinator answered tensor ``key`` (a response or an error passed down)."""
+        self._in_flight.pop(key, None)
 
     def take_batch(self) -> List[pb.HostedMessage]:
         """What goes upstream now, in order (and forget it)."""
@@ -149,6 +159,7 @@ class HostMerge:
             return
         self._take(key)
         streams = sorted(held.streams)
+        self._in_flight.setdefault(key, set()).update(streams)
         if len(streams) == 1:
             self._forward_request(streams[0], held.request)
             return
@@ -170,6 +181,7 @@ class HostMerge:
     def _release(self, key) -> None:
         """Send a held request unmerged for every stream that declared it."""
         held = self._take(key)
+        self._in_flight.setdefault(key, set()).update(held.streams)
         for stream in held.streams:
             self._forward_request(stream, held.request)
 

@@ -26,3 +26,20 @@ def test_32_simulated_ranks_get_the_same_ordered_responses(tmp_path):
     # a rank 2.5 s late with a 1 s warning time: warned about, in one summary line
     assert row["stall_warning_lines"] == 1, row["stall_warnings"]
     assert row["death_to_every_rank_s"] < 10, row
+
+
+@pytest.mark.timeout(150)
+def test_32_ranks_through_host_aggregators_get_the_same_ordered_responses(tmp_path):
+    """4 hosts of 8: two run the real aggregator with 8 simulated ranks each, two are simulated
+    aggregators. The late rank sits behind a real one, and the warning names it alone."""
+    out = tmp_path / "control_plane.json"
+    result = run_command([sys.executable, str(BENCH), "--ranks", "32", "--steps", "4", "--stall-warning-s", "1",
+                          "--ranks-per-host", "8", "--real-hosts", "2", "--json", str(out)],
+                         timeout=140, env=job_environment())
+    assert result.returncode == 0, result.output[-4000:]
+    [row] = json.loads(out.read_text())
+    assert row["ranks"] == row["ranks_reporting"] == 32 and row["real_hosts"] == 2, row
+    assert row["same_order_on_every_rank"], row
+    assert 1 <= row["aggregator_messages_per_step"] < 40, row  # merged: far fewer than 8 ranks x 10 lists
+    assert row["stall_warning_lines"] == 1 and "ranks [31] (rank 31 on sim3)" in row["stall_warnings"][0], row
+    assert row["death_to_every_rank_s"] < 10, row
