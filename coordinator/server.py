@@ -33,7 +33,7 @@ from ringmaster.common import keepalive
 from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.coordinator.auth import TokenInterceptor
 from ringmaster.coordinator.generation import Generation
-from ringmaster.coordinator.host_links import HostLink, HostedSession, link_ended, send_to_each
+from ringmaster.coordinator.host_links import HostLink, HostedSession, link_ended, send_to_each, serve_host_stream
 from ringmaster.coordinator.negotiation import Stall
 from ringmaster.coordinator.outgoing import response_lists
 from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
@@ -162,6 +162,10 @@ class Coordinator:
     # ------------------------------------------------------------- streams
     def on_connect(self, session: RankSession) -> None:
         self._unregistered.add(session)
+
+    async def serve_host(self, request_iterator, context) -> None:
+        """A host aggregator's ``NegotiateHost`` stream (coordinator/host_links.py)."""
+        await serve_host_stream(self, HostLink(context.peer()), request_iterator, context)
 
     def on_connect_hosted(self, session: HostedSession) -> None:
         """A rank's stream through a host aggregator sent its first message."""

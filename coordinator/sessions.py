@@ -67,9 +67,7 @@ class CoordinatorServicer:
         return pb.Empty()
 
     async def NegotiateHost(self, request_iterator, context):
-        from ringmaster.coordinator.host_links import HostLink, serve_host_stream
-
-        await serve_host_stream(self._coordinator, HostLink(context.peer()), request_iterator, context)
+        await self._coordinator.serve_host(request_iterator, context)
 
     async def Negotiate(self, request_iterator, context):
         session = RankSession(context.peer())
