@@ -103,6 +103,14 @@ def _reduce_cycles(incoming, inout, datatype) -> None:
 _CYCLE_OP: Optional[MPI.Op] = None
 _VECTOR_TYPES: Dict[int, MPI.Datatype] = {}
 
+#: Cycles given up because a rank left, with their buffers: MPI still owns them. Open MPI's
+#: nonblocking collectives (libnbc) go on progressing such a request, at MPI_Finalize at the
+#: latest, and write its result; freed with the request, the buffers were reused by malloc and
+#: that write corrupted the heap ("corrupted size vs. prev_size" in NBC_Progress at exit, 3
+#: of 36 runs of tests/jobs/interleaved.py at 4 ranks; none in 24 without the cache). Kept
+#: until the process exits: one small vector per rank that left.
+_ABANDONED_CYCLES: List[tuple] = []
+
 
 def _start_cycle(comm, vector: np.ndarray, result: np.ndarray) -> MPI.Request:
     """Start the cycle's allreduce of ``vector`` into ``result``: the vector is one element of a
@@ -392,10 +400,13 @@ class ResponseCache:
                 return False  # the vector is dropped: what it withdrew stays withdrawn
         result = np.empty(vector.size, dtype=np.int64)  # (empty_like's dispatch costs 1 us more)
         self._in_cycle_since = time.monotonic()
+        request, completed = _start_cycle(self.comm, vector, result), False
         try:
-            completed = self._wait(_start_cycle(self.comm, vector, result), urgent)
+            completed = self._wait(request, urgent)
         finally:
             self._in_cycle_since = None
+            if not completed:
+                _ABANDONED_CYCLES.append((request, vector, result))
         with self._lock:
             if not completed:  # a rank left: the next step ends the cache
                 return True
