@@ -117,3 +117,32 @@ def test_a_dead_coordinator_reaches_every_rank_through_the_aggregator():
     assert lost, result.output[-3000:]
     assert all("host aggregator" in line and "lost its stream to the ringmaster coordinator" in line
                for line in lost), result.output[-3000:]
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_host_aggregator_is_named_on_its_ranks():
+    """The aggregator rank 0 started is killed: its ranks' streams break, and each says it
+    lost the host aggregator (not the coordinator, which lives on)."""
+    start = time.monotonic()
+    result = mpirun(2, """
+        import time, torch, ringmaster as rm
+        from ringmaster.worker.runtime.current import runtime
+        from mpi4py import MPI
+        rm.init()
+        rm.allreduce(torch.ones(2))
+        MPI.COMM_WORLD.Barrier()
+        if rm.rank() == 0:
+            runtime().route.process.kill()
+        time.sleep(1)
+        try:
+            rm.allreduce(torch.ones(2), name="after")
+        except rm.RingmasterError as error:
+            print("LOST", rm.rank(), error, flush=True)
+            raise
+    """, env=AGGREGATED, timeout=80)
+    assert result.returncode != 0, result.output[-3000:]
+    assert time.monotonic() - start < 40, result.output[-3000:]
+    lost = result.lines_starting("LOST")
+    assert lost, result.output[-3000:]
+    assert all("lost its connection to this host's aggregator at" in line and "relays to the ringmaster "
+               "coordinator" in line and "the host aggregator died" in line for line in lost), lost

@@ -48,12 +48,19 @@ class CoordinatorClient:
         on_responses: called (on the receiver thread) with each :class:`pb.ResponseList`.
         on_fatal: called once with the exception that ends the job (abort, lost coordinator).
         max_message_bytes: ``RINGMASTER_MAX_MESSAGE_BYTES``; gRPC accepts up to twice it.
+        relays_to: with a host aggregator at ``address``, the coordinator's address behind it
+            (errors then say which of the two broke).
     """
 
     def __init__(self, address: str, secret: str, rank: int, size: int, hostname: str, pid: int,
                  outbox: Outbox, on_responses: Callable, on_fatal: Callable,
-                 max_message_bytes: int = Config.max_message_bytes):
+                 max_message_bytes: int = Config.max_message_bytes, relays_to: Optional[str] = None):
         self.address = address
+        #: what this rank's stream reaches, as errors name it
+        self.peer = (f"the ringmaster coordinator at {address}" if relays_to is None else
+                     f"this host's aggregator at {address} (RINGMASTER_HOST_AGGREGATOR), which relays to the "
+                     f"ringmaster coordinator at {relays_to}")
+        self._noun = "coordinator" if relays_to is None else "host aggregator"
         self.rank = rank
         self._registration = pb.Register(rank=rank, size=size, hostname=hostname, pid=pid)
         self._on_responses = on_responses
@@ -79,7 +86,7 @@ class CoordinatorClient:
         except grpc.FutureTimeoutError:
             self._channel.close()
             raise CoordinatorUnreachableError(
-                f"rank {self.rank} could not reach the ringmaster coordinator at {self.address} within "
+                f"rank {self.rank} could not reach {self.peer} within "
                 f"{timeout_s:g} s (RINGMASTER_START_TIMEOUT): is it running, and is the address reachable "
                 f"from this host?") from None
         self.outbox.put_control(pb.RankMessage(register=self._registration))
@@ -125,13 +132,13 @@ class CoordinatorClient:
                     f"every rank must share"))
             else:
                 self._fail(CoordinatorUnreachableError(
-                    f"rank {self.rank} lost its connection to the ringmaster coordinator at {self.address} "
+                    f"rank {self.rank} lost its connection to {self.peer} "
                     f"({error.code().name}: {error.details()}); {self._why_the_stream_broke()}"))
             return
         if not self._closing:
             self._fail(CoordinatorUnreachableError(
-                f"rank {self.rank} lost its connection to the ringmaster coordinator at {self.address} "
-                f"(the stream ended); the coordinator died or its host is unreachable"))
+                f"rank {self.rank} lost its connection to {self.peer} "
+                f"(the stream ended); the {self._noun} died or its host is unreachable"))
 
     def _why_the_stream_broke(self) -> str:
         """Whether the coordinator still answers a fresh connection: a broken stream alone does
@@ -140,9 +147,9 @@ class CoordinatorClient:
             with grpc.insecure_channel(self.address) as channel:
                 pb_grpc.CoordinatorStub(channel).Ping(pb.Empty(), metadata=self._metadata, timeout=PROBE_TIMEOUT_S)
         except grpc.RpcError:
-            return (f"the coordinator died or its host is unreachable (a fresh connection got no answer within "
+            return (f"the {self._noun} died or its host is unreachable (a fresh connection got no answer within "
                     f"{PROBE_TIMEOUT_S:g} s)")
-        return ("the coordinator is alive (it answers a fresh connection), so the stream itself broke: keepalive "
+        return (f"the {self._noun} is alive (it answers a fresh connection), so the stream itself broke: keepalive "
                 "pings went unanswered for minutes, which a host with far more busy threads than cores can cause "
                 "(ringrun warns when ranks share cores)")
 

@@ -68,7 +68,8 @@ class Runtime:
         self.client = CoordinatorClient(
             self.route.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
             self.outbox, on_responses=self.executor.submit, on_fatal=self.fail,
-            max_message_bytes=config.max_message_bytes)
+            max_message_bytes=config.max_message_bytes,
+            relays_to=self.endpoint.address if config.host_aggregator else None)
         autotune.attach(self)  # RINGMASTER_AUTOTUNE: before the thread that uses it starts
         if self.cache is not None:
             self.cache.autotune = self.executor.autotune
