@@ -237,10 +237,8 @@ def _receive_merged(coordinator, link: HostLink, hosted: pb.HostedMessage, now: 
         return True  # the job is ending for one of them: nothing to negotiate
     for session in sessions:
         session.last_seen, session.silent_since = now, None
-    ranks = [session.rank for session in sessions]
-    add_merged = coordinator._generation.negotiator.add_merged
-    for request in hosted.message.requests.requests:
-        add_merged(ranks, request)
+    coordinator._generation.negotiator.add_merged([session.rank for session in sessions],
+                                                  hosted.message.requests.requests)
     return True
 
 

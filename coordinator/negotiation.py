@@ -31,6 +31,9 @@ from ringmaster.proto import ringmaster_pb2 as pb
 #: ones are cut, so that one response always fits in a message.
 MAX_ERROR_BYTES = 16 * 1024
 
+#: Requests a host aggregator never merges (they concern one rank, or no tensor).
+_NOT_MERGED = (pb.JOIN, pb.CACHE_WAKE)
+
 # The ops joined ranks take part in (contributing zeros), as in Horovod: an allgather, broadcast,
 # alltoall or reducescatter while a rank has joined fails on the ranks that called it.
 JOINABLE = (pb.ALLREDUCE, pb.BARRIER)
@@ -219,9 +222,9 @@ class Negotiator:
             return
         self._complete_if_ready(entry)
 
-    def add_merged(self, ranks: Sequence[int], request: pb.TensorRequest) -> None:
-        """Record that every rank of ``ranks`` is ready to run ``request``, which each declared
-        with the same bytes (a host aggregator merged them: coordinator/host_links.py).
+    def add_merged(self, ranks: Sequence[int], requests: Sequence[pb.TensorRequest]) -> None:
+        """Record that every rank of ``ranks`` is ready to run each of ``requests``, which each
+        declared with the same bytes (a host aggregator merged them: coordinator/host_links.py).
 
         The same as :meth:`add_request` for each rank in turn, with the work that does not
         depend on the rank (validation, the lookup, the completion check) done once; an
@@ -229,29 +232,33 @@ class Negotiator:
         of the global set that none of ``ranks`` has declared yet goes through
         :meth:`add_request` rank by rank, so that its errors are those of a direct stream.
         ``ranks`` are distinct ranks of this job (the caller takes them from registered sessions).
+        At 1,024 ranks in hosts of 8 this runs 12,800 times a step: it is kept lean.
         """
-        key = (request.process_set_id, request.name)
-        entry = self._pending.get(key)
-        if (request.process_set_id != GLOBAL_SET or request.group or request.op_type in (pb.JOIN, pb.CACHE_WAKE)
-                or self._departed or len(ranks) < 2
-                or (entry is not None and not entry.requests.keys().isdisjoint(ranks))
-                or (entry is None and self._over_pending_limit(ranks))):
+        pending, pending_by_rank, size = self._pending, self._pending_by_rank, self.size
+        one_by_one = bool(self._departed) or len(ranks) < 2
+        for request in requests:
+            key = (request.process_set_id, request.name)
+            entry = pending.get(key)
+            if (one_by_one or key[0] != GLOBAL_SET or request.group or request.op_type in _NOT_MERGED
+                    or (entry is not None and not entry.requests.keys().isdisjoint(ranks))
+                    or (entry is None and self._over_pending_limit(ranks))):
+                for rank in ranks:
+                    self.add_request(rank, request)
+                continue
+            serialized = request.SerializeToString()
+            if entry is None or serialized != next(iter(entry.requests.values()), None):
+                problem = request_problem(request, size, self.max_pending_requests)
+                if problem is not None:
+                    self._reject(ranks[0], request, problem)
+                    continue
+            if entry is None:
+                entry = pending[key] = PendingTensor(request.name, self._clock(), GLOBAL_SET, request.op_type)
+            declared = entry.requests
+            declared.update(dict.fromkeys(ranks, serialized))
             for rank in ranks:
-                self.add_request(rank, request)
-            return
-        serialized = request.SerializeToString()
-        if entry is None or serialized != next(iter(entry.requests.values()), None):
-            problem = request_problem(request, self.size, self.max_pending_requests)
-            if problem is not None:
-                self._reject(ranks[0], request, problem)
-                return
-        if entry is None:
-            entry = self._pending[key] = PendingTensor(request.name, self._clock(), GLOBAL_SET, request.op_type)
-        entry.requests.update(dict.fromkeys(ranks, serialized))
-        pending_by_rank = self._pending_by_rank
-        for rank in ranks:
-            pending_by_rank[rank] += 1
-        self._complete_if_ready(entry)
+                pending_by_rank[rank] += 1
+            if len(declared) >= size or self._joined:
+                self._complete_if_ready(entry)
 
     def _over_pending_limit(self, ranks: Sequence[int]) -> bool:
         limit, pending_by_rank = self.max_pending_requests, self._pending_by_rank

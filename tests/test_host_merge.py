@@ -132,8 +132,7 @@ def feed_merged(negotiator, batch, stream_rank):
         ranks = [stream_rank[stream] for stream in hosted.streams]
         message = hosted.message
         if len(ranks) > 1:
-            for req in message.requests.requests:
-                negotiator.add_merged(ranks, req)
+            negotiator.add_merged(ranks, message.requests.requests)
         elif message.WhichOneof("kind") == "requests":
             for req in message.requests.requests:
                 negotiator.add_request(ranks[0], req)
