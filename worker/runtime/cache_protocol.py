@@ -99,6 +99,16 @@ NO_JOIN = 1 << 62
 MIN_PAYLOAD_BYTES = 256
 MAX_PAYLOAD_BYTES = 64 << 10
 
+#: Off: no cycle carries data, and the cycle's allreduce is MPI's own MIN. Reducing a payload
+#: takes an MPI op written in Python, which MPI calls from inside its progress engine, and
+#: which needs the GIL there: a rank whose thread held the GIL while waiting in another MPI
+#: call (a pickle-based mpi4py collective between steps) then hung for good, every rank's
+#: cache thread in the cycle and no heartbeat for 61 s (tests/test_response_cache.py, 8
+#: ranks, 2026-11-27). What would bring it back without the hazard: the payload in an
+#: allreduce of its own with MPI's built-in op, started with the cycle's and typed by the
+#: last agreed cycle, so that nothing in MPI waits for Python.
+CARRY_PAYLOADS = False
+
 
 def payload_words(nbytes: int) -> int:
     """The payload's room, in int64 words, for a slot of ``nbytes``."""
@@ -370,7 +380,7 @@ class CacheProtocol:
         #: carriable slot that ran in the last cycle that ran any (agreed: the same everywhere).
         #: A slot run again and again, as a synchronous allreduce in a loop is, rides from its
         #: second run on; cycles after others pay for no room they do not use.
-        self.payload_room = payload_words(0)
+        self.payload_room = payload_words(0) if CARRY_PAYLOADS else 0
 
     # ------------------------------------------------------------ local input
     def take(self, key: tuple, hit: Hit) -> bool:
@@ -488,7 +498,7 @@ class CacheProtocol:
         self._withdraw_stale(now)
         busy = self.has_hits() or self.queued or (self.join_requested and self.phase is not Phase.SUSPENDED)
         carried = None
-        if payload is not None and len(self.pending) == 1:
+        if CARRY_PAYLOADS and payload is not None and len(self.pending) == 1:
             (number, hit), = self.pending.items()
             slot = self.table.slots[number]
             if slot.payload_code is not None and slot.room <= self.payload_room:
@@ -518,7 +528,8 @@ class CacheProtocol:
             slot.last_run = self.cycles_done
         if ready:
             self.last_activity = now
-            self.payload_room = max(max(slot.room for slot in ready), MIN_PAYLOAD_BYTES // 8)
+            if CARRY_PAYLOADS:
+                self.payload_room = max(max(slot.room for slot in ready), MIN_PAYLOAD_BYTES // 8)
         # A join round that has already ended here (its JOIN response came first) is no reason.
         if agreed.join_round == self.joins_completed and self.phase is Phase.AWAKE:
             self.phase = Phase.SUSPENDED

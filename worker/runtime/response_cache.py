@@ -73,8 +73,8 @@ from mpi4py import MPI
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
-from ringmaster.worker.runtime.cache_protocol import (WITHDRAW_AFTER_S, CacheProtocol, Hit, Phase, Proposal, Slot,
-                                                      Step, combine)
+from ringmaster.worker.runtime.cache_protocol import (ROOM, WITHDRAW_AFTER_S, CacheProtocol, Hit, Phase, Proposal,
+                                                      Slot, Step, combine)
 from ringmaster.worker.runtime.errors import RingmasterError
 
 log = logging.getLogger("ringmaster.worker")
@@ -113,8 +113,11 @@ _ABANDONED_CYCLES: List[tuple] = []
 
 
 def _start_cycle(comm, vector: np.ndarray, result: np.ndarray) -> MPI.Request:
-    """Start the cycle's allreduce of ``vector`` into ``result``: the vector is one element of a
+    """Start the cycle's allreduce of ``vector`` into ``result``. Without a payload it is MPI's
+    own MIN (cache_protocol.CARRY_PAYLOADS says why); with one, the vector is one element of a
     contiguous datatype, so that MPI never splits it between calls of the op."""
+    if vector[ROOM] == 0:
+        return comm.Iallreduce(vector, result, op=MPI.MIN)
     global _CYCLE_OP
     if _CYCLE_OP is None:
         _CYCLE_OP = MPI.Op.Create(_reduce_cycles, commute=True)
