@@ -518,8 +518,8 @@ def main(argv=None) -> int:
     through = (f"through host aggregators of {args.ranks_per_host} ranks ({args.real_hosts} real; the simulated "
                f"ones send {args.host_messages} messages a step), "
                if args.ranks_per_host > 1 else "")
-    print(f"# {through}{args.tensors} tensors per step, skew up to {args.skew_ms:g} ms, {args.processes} worker processes, "
-          f"{os.cpu_count()} cores; stall: one rank {options['stall_s']:g} s late "
+    print(f"# {through}{args.tensors} tensors per step, skew up to {args.skew_ms:g} ms, "
+          f"{args.processes} worker processes, {os.cpu_count()} cores; stall: one rank {options['stall_s']:g} s late "
           f"(RINGMASTER_STALL_WARNING_S={args.stall_warning_s:g})")
     print_table(rows)
     if args.json:

@@ -31,7 +31,7 @@ negotiator fed rank by rank.
 from __future__ import annotations
 
 import collections
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from ringmaster.proto import ringmaster_pb2 as pb
 

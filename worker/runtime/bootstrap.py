@@ -99,16 +99,23 @@ def _start_coordinator(size: int, config: Config, single_host: bool) -> Coordina
         # when rank 0 does, because its stdin (a pipe from rank 0) closes.
         start_new_session=True,
     )
-    deadline = time.monotonic() + config.start_timeout_s
+    return CoordinatorEndpoint(await_address(process, address_file, config.start_timeout_s, "the coordinator"),
+                               secret, process)
+
+
+def await_address(process: subprocess.Popen, address_file: str, timeout_s: float, what: str) -> str:
+    """The ``host:port`` a daemon started with ``--address-file`` writes once it listens (the
+    file and its folder are removed); the daemon is killed if it does not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if os.path.exists(address_file):
             with open(address_file) as handle:
                 address = handle.read().strip()
             os.unlink(address_file)
             os.rmdir(os.path.dirname(address_file))
-            return CoordinatorEndpoint(address, secret, process)
+            return address
         if process.poll() is not None:
-            raise RuntimeError(f"the coordinator process exited with code {process.returncode} before listening")
+            raise RuntimeError(f"{what} exited with code {process.returncode} before listening")
         time.sleep(0.01)
     process.kill()
-    raise RuntimeError(f"the coordinator did not start listening within {config.start_timeout_s:g} s")
+    raise RuntimeError(f"{what} did not start listening within {timeout_s:g} s")

@@ -14,12 +14,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Optional
 
 from ringmaster.common.config import Config
 from ringmaster.worker.runtime import agreement
+from ringmaster.worker.runtime.bootstrap import await_address
 from ringmaster.worker.runtime.errors import CoordinatorUnreachableError, RingmasterError
 
 
@@ -81,16 +81,4 @@ def _start(config: Config, coordinator_address: str, secret: str):
         # Its own session: mpirun kills a failed rank's process group at once, and the host's
         # other ranks must still learn through it why the job ends.
         start_new_session=True)
-    deadline = time.monotonic() + config.start_timeout_s
-    while time.monotonic() < deadline:
-        if os.path.exists(address_file):
-            with open(address_file) as handle:
-                address = handle.read().strip()
-            os.unlink(address_file)
-            os.rmdir(os.path.dirname(address_file))
-            return process, address
-        if process.poll() is not None:
-            raise RuntimeError(f"the host aggregator exited with code {process.returncode} before listening")
-        time.sleep(0.01)
-    process.kill()
-    raise RuntimeError(f"the host aggregator did not start listening within {config.start_timeout_s:g} s")
+    return process, await_address(process, address_file, config.start_timeout_s, "the host aggregator")
