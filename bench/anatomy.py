@@ -1,6 +1,6 @@
 """Where the time of one cached synchronous allreduce goes, part by part.
 
-    ringrun -np 2 python bench/anatomy.py                 # 4 bytes: it rides in the cache's cycle
+    ringrun -np 2 python bench/anatomy.py                 # 4 bytes
     ringrun -np 2 python bench/anatomy.py --bytes 262144  # too big to ride: a transfer of its own
     ringrun -np 2 python bench/anatomy.py --sizes 4,1024,4096,16384,65536,262144
 
