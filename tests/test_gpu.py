@@ -13,6 +13,7 @@ from mpijob import mpirun
 JOBS = pathlib.Path(__file__).parent / "jobs"
 COLLECTIVES = (JOBS / "gpu_collectives.py").read_text()
 TRAINING = (JOBS / "gpu_training.py").read_text()
+HIERARCHICAL = (JOBS / "hierarchical_transports.py").read_text()
 
 pytestmark = [pytest.mark.cuda]
 
@@ -40,6 +41,15 @@ def test_every_collective_on_cuda_matches_the_cpu_reference(np, transport):
     assert_all_passed(result, np)
     if transport != "auto":
         assert f": {transport} (" in result.output  # rank 0 logs the transport it uses
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("within", ["ipc", "staged", "nccl"])
+def test_hierarchical_allreduce_on_cuda_on_pretend_hosts_matches_numpy(within):
+    """4 ranks cut into 2 pretend hosts of 2: ``within`` inside each, ``staged`` between them."""
+    if within == "nccl" and gpu_count() < 4:
+        pytest.skip("NCCL within a host needs a GPU per rank (4)")
+    assert_all_passed(mpirun(4, HIERARCHICAL, timeout=130, args=["cuda", "2", within]), 4)
 
 
 @pytest.mark.timeout(120)

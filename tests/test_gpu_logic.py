@@ -1,17 +1,20 @@
 """The GPU path's logic that needs no GPU, run in CI: transport choice, CUDA-awareness,
-the staged pipeline's schedule and collectives (host arrays for device ones), settings."""
+the staged pipeline's schedule and collectives (host arrays for device ones), the
+hierarchical allreduce's composition of transports, settings."""
 
 import pathlib
 
 import pytest
-from mpijob import mpirun
+from mpijob import assert_job_passed, mpirun
 
 from ringmaster.common.config import ConfigError, load_config
-from ringmaster.ops.gpu import Placement, choose_transport
+from ringmaster.ops.gpu import Placement, choose_hierarchical, choose_transport
 from ringmaster.ops.gpu.cuda_aware import mpi_cuda_support
 from ringmaster.ops.gpu.staged import STAGED_MAX_CHUNKS, staged_chunks
 
-STAGED_JOB = (pathlib.Path(__file__).parent / "jobs" / "staged_host.py").read_text()
+JOBS = pathlib.Path(__file__).parent / "jobs"
+STAGED_JOB = (JOBS / "staged_host.py").read_text()
+HIERARCHICAL_JOB = (JOBS / "hierarchical_transports.py").read_text()
 
 
 def placement(hosts, gpus, nccl=True, cuda_aware=False):
@@ -51,6 +54,35 @@ def test_a_forced_transport_that_cannot_run_is_refused_with_the_reason(setting, 
 @pytest.mark.parametrize("setting", ["nccl", "ipc", "staged"])
 def test_a_forced_transport_that_fits_is_used(setting):
     assert choose_transport(setting, placement(["a"], ["a/0"])).name == setting
+
+
+@pytest.mark.parametrize("local_gpus,nccl,cuda_aware,within,between", [
+    (["a/0", "a/1"], True, False, "nccl", "staged"),   # Horovod's placement: NCCL in the host, MPI between
+    (["a/0", "a/1"], True, True, "nccl", "mpi"),       # a CUDA-aware MPI takes the device chunk
+    (["a/0", "a/0"], True, False, "ipc", "staged"),    # ranks of a host share its GPU
+    (["a/0", "a/1"], False, False, "ipc", "staged"),   # no NCCL
+])
+def test_the_hierarchical_allreduce_picks_a_transport_within_and_one_between_hosts(local_gpus, nccl, cuda_aware,
+                                                                                   within, between):
+    local = placement(["a", "a"], local_gpus, nccl, cuda_aware)
+    cross = placement(["a", "b"], ["a/0", "b/0"], nccl, cuda_aware)
+    inside, across = choose_hierarchical("auto", local, cross)
+    assert (inside.name, across.name) == (within, between)
+    assert across.reason.startswith("between hosts")
+
+
+def test_the_hierarchical_allreduce_refuses_a_forced_transport_that_cannot_run_within_the_host():
+    shared = placement(["a", "a"], ["a/0", "a/0"])
+    with pytest.raises(ValueError, match="NCCL refuses two ranks on one GPU"):
+        choose_hierarchical("nccl", shared, placement(["a", "b"], ["a/0", "b/0"]))
+    assert choose_hierarchical("staged", shared, placement(["a", "b"], ["a/0", "b/0"]))[0].name == "staged"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np,local_size", [(4, 2), (6, 3)], ids=["2 hosts x 2", "2 hosts x 3"])
+def test_hierarchical_transport_on_pretend_hosts_with_host_copies(np, local_size):
+    result = mpirun(np, HIERARCHICAL_JOB, timeout=100, args=["host", str(local_size)])
+    assert_job_passed(result, np)
 
 
 def test_the_wheels_open_mpi_is_detected_as_not_cuda_aware(monkeypatch):

@@ -32,7 +32,7 @@ cat "$out/environment.txt"
 status=0
 # GPU_CHECK_TESTS: the test files to run (default: all CUDA-marked ones).
 tests=${GPU_CHECK_TESTS:-tests/test_gpu_compression.py tests/test_gpu.py}
-timeout 250 "$python" -m pytest -m cuda -p no:cacheprovider -q -rfEs --timeout 240 $tests 2>&1 | tee "$out/tests.txt" | tail -40
+timeout 290 "$python" -m pytest -m cuda -p no:cacheprovider -q -rfEs --timeout 280 $tests 2>&1 | tee "$out/tests.txt" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 bench() {  # bench NAME SECONDS COMMAND...

@@ -16,14 +16,18 @@ per communicator and never branches on it again:
   device-to-host and host-to-device copies on their own streams overlapping the host
   collective of the chunk between them.
 
+With ``RINGMASTER_HIERARCHICAL_ALLREDUCE`` across hosts, :mod:`.hierarchical` composes two
+of them for the big allreduces: one within each host, one between hosts
+(:func:`.placement.choose_hierarchical`).
+
 :func:`.placement.choose_transport` picks one from a described placement (a pure
 function, tested on CPU); ``RINGMASTER_GPU_TRANSPORT`` forces one. Importing this package
 does not import CuPy: a CPU-only user never needs it.
 """
 
-from .placement import TRANSPORTS, Placement, TransportChoice, choose_transport
+from .placement import TRANSPORTS, Placement, TransportChoice, choose_hierarchical, choose_transport
 
-__all__ = ["TRANSPORTS", "Placement", "TransportChoice", "choose_transport", "open_transport"]
+__all__ = ["TRANSPORTS", "Placement", "TransportChoice", "choose_hierarchical", "choose_transport", "open_transport"]
 
 
 def open_transport(name: str, comm, stream, device_id: int):

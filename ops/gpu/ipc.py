@@ -19,10 +19,14 @@ stream synchronization per call over a single buffer (which needs a third barrie
 
 Each chunk is reduced by exactly one rank, so all ranks hold bit-identical results.
 Before each barrier the rank waits for its own stream, since the peers read what its
-kernels wrote. The other collectives are inherited from the staged transport.
+kernels wrote. Reduce-scatter (steps 1-2, one barrier) and allgather (step 1's copy, a
+barrier, step 3) work the same way, in the same alternating buffers, for the hierarchical
+allreduce within a host; the other collectives are inherited from the staged transport.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from ringmaster.ops.ring import chunk_bounds
 
@@ -52,30 +56,77 @@ class IpcTransport(StagedTransport):
                     array *= scale
             return
         array, op = as_reducible(array, op)
-        self._reserve(array.nbytes)
-        cupy, add = self._cupy, combine(op)
-        turn, self._turn = self._turn, 1 - self._turn
-        views = [self._view(rank, array, turn) for rank in range(self.size)]
         bounds = chunk_bounds(array.size, self.size)
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        views = self._next_views(array)
         with self.stream:
-            cupy.copyto(views[self.rank], array)
-            self._barrier()
-            own = views[self.rank][lo:hi]
-            for rank in range(self.size):
-                if rank != self.rank:
-                    add(own, views[rank][lo:hi], out=own)
+            own = self._reduce_own_chunk(array, views, op, bounds[self.rank], bounds[self.rank + 1])
             if scale is not None and scale != 1.0:
                 own *= scale
             self._barrier()
-            for rank in range(self.size):
-                start, stop = bounds[rank], bounds[rank + 1]
-                cupy.copyto(array[start:stop], views[rank][start:stop])
+            self._gather(array, views, bounds)
+
+    def reducescatter(self, array, recv, op: str, counts) -> None:
+        """Steps 1 and 2 of the allreduce with ``counts``' chunks; this rank's into ``recv``.
+
+        ``recv`` may be this rank's chunk of ``array`` (the hierarchical allreduce's step 1).
+        No second barrier: each rank writes only its own chunk of its own buffer, which no peer reads.
+        """
+        array, op = as_reducible(array, op)
+        recv, _ = as_reducible(recv, op)
+        if self.size == 1 or array.size == 0:
+            if array.size:
+                with self.stream:
+                    self._cupy.copyto(recv, array)
+            return
+        bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
+        views = self._next_views(array)
+        with self.stream:
+            own = self._reduce_own_chunk(array, views, op, bounds[self.rank], bounds[self.rank + 1])
+            self._cupy.copyto(recv, own)
+
+    def allgatherv(self, send, recv, counts) -> None:
+        """Rank r's ``counts[r]`` bytes of ``send`` into ``recv`` in rank order, read from each
+        rank's transfer buffer (``send`` may be this rank's part of ``recv``)."""
+        if self.size == 1 or recv.size == 0:
+            if recv.size:
+                with self.stream:
+                    self._cupy.copyto(recv, send)
+            return
+        bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
+        views = self._next_views(recv)
+        with self.stream:
+            self._cupy.copyto(views[self.rank][bounds[self.rank]:bounds[self.rank + 1]], send)
+            self._barrier()
+            self._gather(recv, views, bounds)
 
     def close(self) -> None:
         self._release()
 
     # -------------------------------------------------------------- helpers
+    def _next_views(self, like) -> list:
+        """Every rank's transfer buffer of this call's turn, shaped like ``like`` (the two alternate)."""
+        self._reserve(like.nbytes)
+        turn, self._turn = self._turn, 1 - self._turn
+        return [self._view(rank, like, turn) for rank in range(self.size)]
+
+    def _reduce_own_chunk(self, array, views, op: str, lo: int, hi: int):
+        """Steps 1 and 2: ``array`` into the own buffer, a barrier, every peer's chunk ``lo:hi``
+        added into the own one in rank order; returns the own chunk (queued on the stream)."""
+        add = combine(op)
+        self._cupy.copyto(views[self.rank], array)
+        self._barrier()
+        own = views[self.rank][lo:hi]
+        for rank in range(self.size):
+            if rank != self.rank:
+                add(own, views[rank][lo:hi], out=own)
+        return own
+
+    def _gather(self, out, views, bounds) -> None:
+        """Step 3: chunk q of rank q's buffer into ``out``, for every q (queued on the stream)."""
+        for rank in range(self.size):
+            start, stop = bounds[rank], bounds[rank + 1]
+            self._cupy.copyto(out[start:stop], views[rank][start:stop])
+
     def _barrier(self) -> None:
         """Every rank's queued kernels are done (the peers read what they wrote)."""
         self.stream.synchronize()

@@ -98,6 +98,27 @@ def choose_transport(setting: str, placement: Placement) -> TransportChoice:
     return TransportChoice(setting, "forced by RINGMASTER_GPU_TRANSPORT")
 
 
+def choose_hierarchical(setting: str, local: Placement, cross: Placement) -> Tuple[TransportChoice, TransportChoice]:
+    """The transports of the hierarchical allreduce (``RINGMASTER_HIERARCHICAL_ALLREDUCE``):
+    (within this host, between hosts).
+
+    Within the host ``setting`` decides as for any communicator (``auto``: ``nccl`` where
+    every rank has a GPU of its own, else ``ipc``). Between hosts runs the ring over MPI:
+    a CUDA-aware MPI takes the device chunk directly, any other MPI gets it through pinned
+    host memory (``staged``), as in Horovod, where NCCL works within the host and MPI between.
+
+    Raises:
+        ValueError: as :func:`choose_transport`, for the transport within the host.
+    """
+    within = choose_transport(setting, local)
+    if cross.cuda_aware_mpi:
+        between = TransportChoice("mpi", f"between hosts: the MPI library is CUDA-aware ({cross.mpi_detail})")
+    else:
+        between = TransportChoice("staged", "between hosts: the MPI library is not CUDA-aware "
+                                            f"({cross.mpi_detail or 'no CUDA support found'})")
+    return within, between
+
+
 def _describe_shared(shared: Sequence) -> str:
     gpu, ranks = shared[0]
     more = f" (and {len(shared) - 1} more shared GPU(s))" if len(shared) > 1 else ""

@@ -164,15 +164,18 @@ class CudaDevice:
     Args:
         setting: ``RINGMASTER_GPU_TRANSPORT`` (``auto`` or a transport's name).
         device_index: this rank's GPU (the device of the first CUDA tensor it reduces).
+        hierarchies: communicators (by id) whose big allreduces go through the hosts
+            (``RINGMASTER_HIERARCHICAL_ALLREDUCE``), with their :class:`Hierarchy`.
     """
 
     kind = "cuda"
 
-    def __init__(self, setting: str, device_index: int):
+    def __init__(self, setting: str, device_index: int, hierarchies: Optional[Dict[int, Hierarchy]] = None):
         import cupy
 
         self._cupy = cupy
         self.setting = setting
+        self.hierarchies = hierarchies if hierarchies is not None else {}
         self.device = torch.device("cuda", device_index)
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
@@ -217,15 +220,33 @@ class CudaDevice:
         """The transport of ``group``'s communicator, made at its first CUDA collective (collective)."""
         transport = self._transports.get(id(group.comm))
         if transport is None:
-            from ringmaster.ops import gpu
-
-            placement = gpu.placement.describe(group.comm, self.device.index)
-            choice = gpu.choose_transport(self.setting, placement)
-            if group.rank == 0:
-                log.warning("GPU transport for %d rank(s): %s (%s)", group.size, choice.name, choice.reason)
-            transport = gpu.open_transport(choice.name, group.comm, self._cupy_stream, self.device.index)
+            transport = self._open_transport(group)
             self._transports[id(group.comm)] = transport
         return transport
+
+    def _open_transport(self, group):
+        from ringmaster.ops import gpu
+
+        choice = gpu.choose_transport(self.setting, gpu.placement.describe(group.comm, self.device.index))
+        flat = gpu.open_transport(choice.name, group.comm, self._cupy_stream, self.device.index)
+        hosts = self.hierarchies.get(id(group.comm))
+        if hosts is None:
+            if group.rank == 0:
+                log.warning("GPU transport for %d rank(s): %s (%s)", group.size, choice.name, choice.reason)
+            return flat
+        within, between = gpu.choose_hierarchical(self.setting, gpu.placement.describe(hosts.local, self.device.index),
+                                                  gpu.placement.describe(hosts.cross, self.device.index))
+        if group.rank == 0:
+            log.warning("GPU transport for %d rank(s) on %d hosts: big allreduces hierarchical, %s within each host "
+                        "(%s) and %s between them (%s); the rest over %s (%s)", group.size, hosts.cross.Get_size(),
+                        within.name, within.reason, between.name, between.reason, choice.name, choice.reason)
+        from ringmaster.ops.gpu.hierarchical import HierarchicalTransport
+
+        size = group.size
+        return HierarchicalTransport(
+            flat, gpu.open_transport(within.name, hosts.local, self._cupy_stream, self.device.index),
+            gpu.open_transport(between.name, hosts.cross, self._cupy_stream, self.device.index),
+            lambda array, op, algorithm: hierarchy.use_for(algorithm, array, size, op))
 
     def forget(self, comm) -> None:
         transport = self._transports.pop(id(comm), None)
@@ -252,7 +273,8 @@ class Devices:
             return self.host
         if self._cuda is None:
             index = gpu_index()
-            self._cuda = CudaDevice(self._gpu_transport, torch.cuda.current_device() if index is None else index)
+            self._cuda = CudaDevice(self._gpu_transport, torch.cuda.current_device() if index is None else index,
+                                    self.host.hierarchies)
         return self._cuda
 
     def forget(self, comm) -> None:
