@@ -21,12 +21,17 @@ each partial sum is quantized once on its way (``N - 1`` times in all) and the r
 once more. Chunks travel in blocks of ``block`` elements, each with its own scale in the
 codec's header, so one large gradient does not flatten the resolution of all others
 fused with it.
+
+The schedule is written against a :class:`Link`, which owns the byte buffers and moves
+them to the neighbours: :class:`MpiLink` (NumPy buffers, MPI point-to-point) here, and
+the GPU transports' links (``ringmaster.ops.gpu.quantized_links``) for device buffers, so
+that encoding, decoding and the sums stay on the GPU and only the 8-bit bytes move.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -57,6 +62,51 @@ class Codec(Protocol):
         """Decode ``encoded`` into the float32 ``out``; with ``add``, write ``add + decoded``."""
 
 
+class Link(Protocol):
+    """How the ring's encoded bytes reach the neighbours (see the module docstring).
+
+    Every step posts its receive, then its send, waits for the receive, decodes, and waits
+    for the send; ``finish`` closes a ring (the link may then reuse what it lent).
+    """
+
+    def scratch(self, key: str, nbytes: int) -> Any:
+        """A reusable byte buffer of ``nbytes`` where the ring's values live (grown, never shrunk)."""
+
+    def receive(self, data, source: int, tag: int) -> Any:
+        """Start receiving ``data`` (bytes from ``scratch``) from rank ``source``; a token."""
+
+    def send(self, data, dest: int, tag: int) -> Any:
+        """Start sending ``data`` (bytes from ``scratch``) to rank ``dest``; a token."""
+
+    def wait(self, token) -> None:
+        """Until the transfer is done and, for a receive, its bytes are in ``data``."""
+
+    def finish(self) -> None:
+        """The ring is over."""
+
+
+class MpiLink:
+    """Host byte buffers (per thread) and MPI's nonblocking point-to-point."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm = comm
+
+    def scratch(self, key: str, nbytes: int) -> np.ndarray:
+        return _scratch(key, nbytes)
+
+    def receive(self, data: np.ndarray, source: int, tag: int) -> MPI.Request:
+        return self.comm.Irecv([data, MPI.BYTE], source, tag)
+
+    def send(self, data: np.ndarray, dest: int, tag: int) -> MPI.Request:
+        return self.comm.Isend([data, MPI.BYTE], dest, tag)
+
+    def wait(self, token: MPI.Request) -> None:
+        wait(token)
+
+    def finish(self) -> None:
+        pass
+
+
 def quantized_ring_allreduce(comm: MPI.Comm, buffer: np.ndarray, codec: Codec, scale: float = None,
                              block: int = DEFAULT_BLOCK) -> np.ndarray:
     """Sum the float32 ``buffer`` over ``comm`` in place, sending ``codec``'s encoding; return it.
@@ -78,12 +128,19 @@ def quantized_ring_allreduce(comm: MPI.Comm, buffer: np.ndarray, codec: Codec, s
         raise TypeError(f"{name}: buffer must be float32, got {buffer.dtype}; reduce other "
                         f"floating types in a float32 copy")
     _checks.check_positive_int(block, "block", name)
-    size = comm.Get_size()
-    if size > 1 and buffer.size:
-        _QuantizedRing(comm, buffer, codec, block).run(scale)
+    run_quantized_ring(comm, buffer, codec, MpiLink(comm), scale, block)
+    return buffer
+
+
+def run_quantized_ring(comm: MPI.Comm, buffer, codec: Codec, link: Link, scale: float = None,
+                       block: int = DEFAULT_BLOCK) -> None:
+    """The ring of :func:`quantized_ring_allreduce` on any 1-D float32 ``buffer`` that
+    ``codec`` reads and writes (a NumPy array, a device array), its bytes moved by ``link``;
+    no argument checks (the caller's)."""
+    if comm.Get_size() > 1 and buffer.size:
+        _QuantizedRing(comm, buffer, codec, block, link).run(scale)
     elif scale is not None and scale != 1.0:
         buffer *= np.float32(scale)
-    return buffer
 
 
 def encoded_bytes_sent(length: int, size: int, codec: Codec, block: int = DEFAULT_BLOCK) -> int:
@@ -104,8 +161,8 @@ def _chunk_encoded_bytes(count: int, codec: Codec, block: int) -> int:
 class _QuantizedRing:
     """One quantized ring allreduce: the schedule above, step by step."""
 
-    def __init__(self, comm: MPI.Comm, buffer: np.ndarray, codec: Codec, block: int):
-        self.comm, self.buffer, self.codec, self.block = comm, buffer, codec, block
+    def __init__(self, comm: MPI.Comm, buffer, codec: Codec, block: int, link: Link):
+        self.comm, self.buffer, self.codec, self.block, self.link = comm, buffer, codec, block, link
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.right, self.left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.bounds = chunk_bounds(buffer.size, self.size)
@@ -113,9 +170,9 @@ class _QuantizedRing:
         # allgather phase receives every chunk's bytes there and forwards them from there.
         sizes = [_chunk_encoded_bytes(self._length(c), codec, block) for c in range(self.size)]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.encoded = _scratch("encoded", int(self.offsets[-1]))
+        self.encoded = link.scratch("encoded", int(self.offsets[-1]))
         largest = max(sizes)
-        self.incoming = _scratch("incoming", largest)
+        self.incoming = link.scratch("incoming", largest)
         self.sent = 0
 
     def _length(self, chunk: int) -> int:
@@ -148,31 +205,32 @@ class _QuantizedRing:
             target = values[value_range]
             self.codec.decode(encoded[byte_range], target, add=target if add else None)
 
-    def _send(self, data: np.ndarray, tag: int) -> MPI.Request:
+    def _send(self, data, tag: int):
         self.sent += data.size
-        return self.comm.Isend([data, MPI.BYTE], self.right, tag)
+        return self.link.send(data, self.right, tag)
 
     def run(self, scale) -> None:
-        size, rank = self.size, self.rank
+        size, rank, link = self.size, self.rank, self.link
         for step in range(size - 1):   # scatter-reduce
             send_chunk, receive_chunk = (rank - step) % size, (rank - step - 1) % size
             incoming = self.incoming[:self.offsets[receive_chunk + 1] - self.offsets[receive_chunk]]
-            receive = self.comm.Irecv([incoming, MPI.BYTE], self.left, REDUCE_TAG)
+            receive = link.receive(incoming, self.left, REDUCE_TAG)
             send = self._send(self._encode_chunk(send_chunk), REDUCE_TAG)
-            wait(receive)
+            link.wait(receive)
             self._decode_chunk(receive_chunk, incoming, add=True)
-            wait(send)
+            link.wait(send)
         owned = (rank + 1) % size
         if scale is not None and scale != 1.0:
             self._values(owned)[:] *= np.float32(scale)
         self._decode_chunk(owned, self._encode_chunk(owned), add=False)
         for step in range(size - 1):   # allgather: forward the owners' bytes unchanged
             send_chunk, receive_chunk = (rank + 1 - step) % size, (rank - step) % size
-            receive = self.comm.Irecv([self._bytes(receive_chunk), MPI.BYTE], self.left, GATHER_TAG)
+            receive = link.receive(self._bytes(receive_chunk), self.left, GATHER_TAG)
             send = self._send(self._bytes(send_chunk), GATHER_TAG)
-            wait(receive)
+            link.wait(receive)
             self._decode_chunk(receive_chunk, self._bytes(receive_chunk), add=False)
-            wait(send)
+            link.wait(send)
+        link.finish()
         traffic.record("quantized_ring_allreduce", self.sent)
 
 

@@ -32,6 +32,9 @@ class HostCopyEngine:
     def host_buffer(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
 
+    def device_buffer(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
     def start(self) -> None:
         self.log.append(("start",))
 
@@ -50,6 +53,9 @@ class HostCopyEngine:
 
     def finish(self) -> None:
         self.log.append(("finish",))
+
+    def drain(self) -> None:
+        self.log.append(("drain",))
 
 
 class CudaCopyEngine:
@@ -79,6 +85,10 @@ class CudaCopyEngine:
             self._pinned_view = np.frombuffer(self._pinned, dtype=np.uint8, count=capacity)
         return self._pinned_view[:nbytes]
 
+    def device_buffer(self, nbytes: int):
+        """A new uint8 device array of ``nbytes`` (CuPy's pool)."""
+        return self._cupy.empty(nbytes, dtype=self._cupy.uint8)
+
     def _event_on(self, stream):
         event = self._cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
@@ -102,3 +112,7 @@ class CudaCopyEngine:
 
     def finish(self) -> None:
         self.compute.wait_event(self._event_on(self.up))
+
+    def drain(self) -> None:
+        """Until every copy to the device is done (their host memory may be rewritten then)."""
+        self.up.synchronize()

@@ -34,6 +34,14 @@ class CudaMpiTransport(StagedTransport):
             with self.stream:
                 array *= scale
 
+    def ring_link(self):
+        """The 8-bit ring's steps as MPI calls on the device bytes."""
+        import cupy
+
+        from .quantized_links import CudaMpiLink
+
+        return CudaMpiLink(self.comm, self.stream, lambda nbytes: cupy.empty(nbytes, dtype=cupy.uint8))
+
     def allgatherv(self, send, recv, counts) -> None:
         self.stream.synchronize()
         displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()

@@ -25,7 +25,7 @@ def nccl_available() -> bool:
 
 
 class NcclTransport(StagedTransport):
-    """Every collective through NCCL (the 8-bit ring is inherited from the staged transport)."""
+    """Every collective through NCCL (Adasum is inherited from the staged transport)."""
 
     name = "nccl"
 
@@ -97,6 +97,14 @@ class NcclTransport(StagedTransport):
                 target = recv.data.ptr if root == self.rank else source
                 self._comm.reduce(source, target, int(count), dtype, nccl_op, root, self.stream.ptr)
         self._nccl.groupEnd()
+
+    def ring_link(self):
+        """The 8-bit ring's steps as NCCL sends and receives on the stream."""
+        import cupy
+
+        from .quantized_links import NcclLink
+
+        return NcclLink(self._comm, self._nccl, self.stream, lambda nbytes: cupy.empty(nbytes, dtype=cupy.uint8))
 
     def close(self) -> None:
         self.stream.synchronize()

@@ -15,8 +15,9 @@ length), so the chunk collectives match across ranks.
 
 Naive staging (whole buffer down, MPI, whole buffer up) of 64 MiB at 2 ranks on an H100
 took 32.5 ms against 24.3 ms for the same MPI allreduce on host memory (1.34x); see
-docs/benchmarks.md for the pipelined figures. The other collectives (allgather,
-broadcast, alltoall, reducescatter, the 8-bit ring, Adasum) move their whole buffers down and up
+docs/benchmarks.md for the pipelined figures. The 8-bit ring stays on the device and stages
+only each step's encoded bytes (``quantized_links.StagedLink``). The other collectives
+(allgather, broadcast, alltoall, reducescatter, Adasum) move their whole buffers down and up
 around the host collective: they are data movement of modest size in training.
 """
 
@@ -29,7 +30,7 @@ import numpy as np
 from ringmaster.ops import mpi_collectives
 from ringmaster.ops.adasum import adasum_allreduce
 from ringmaster.ops.allreduce import allreduce as host_allreduce
-from ringmaster.ops.quantized_ring import quantized_ring_allreduce
+from ringmaster.ops.quantized_ring import run_quantized_ring
 from ringmaster.ops.ring import DEFAULT_SEGMENT_BYTES, chunk_bounds
 
 #: Smallest chunk the pipeline cuts: below it a host collective's fixed cost dominates.
@@ -82,6 +83,7 @@ class StagedTransport:
         self.engine = engine if engine is not None else _cuda_engine(stream)
         self.max_chunks = STAGED_MAX_CHUNKS
         self.segment_bytes = DEFAULT_SEGMENT_BYTES
+        self._link = None  # the 8-bit ring's (made at its first call)
 
     def span_label(self, algorithm: str) -> str:
         """The timeline's name of an allreduce on this transport."""
@@ -92,10 +94,17 @@ class StagedTransport:
         staged_allreduce(self.comm, array, self.engine, op, scale, algorithm, self.segment_bytes, self.max_chunks)
 
     def quantized_allreduce(self, array, codec, scale=None) -> None:
-        """The 8-bit ring (float32 ``array``), run on a host copy of the buffer."""
-        host = self._down(array)
-        quantized_ring_allreduce(self.comm, host, codec, scale=scale)
-        self._up(host, array)
+        """The 8-bit ring (float32 ``array``) on the device: the codec encodes, decodes and
+        adds where ``array`` is; only each step's 8-bit bytes move, over :meth:`ring_link`."""
+        if self._link is None:
+            self._link = self.ring_link()
+        run_quantized_ring(self.comm, array, codec, self._link, scale)
+
+    def ring_link(self):
+        """The 8-bit ring's link (``quantized_links``): here each step's bytes go through pinned memory."""
+        from .quantized_links import StagedLink
+
+        return StagedLink(self.comm, self.engine)
 
     def adasum_allreduce(self, array, edges, wire=None) -> None:
         """Adasum (``ringmaster.ops.adasum``, float32 or float64 ``array``) on a host copy."""

@@ -72,5 +72,32 @@ transport.reducescatter(values[RANK], mine, "sum", counts)
 start = sum(counts[:RANK])
 TALLY.report("staged reducescatter", np.allclose(mine, sum(values)[start:start + counts[RANK]]))
 
+# The 8-bit ring on "device" arrays through the staged link: the host ring's bits, exactly
+# (the same schedule and codec; only where the bytes wait between steps differs).
+from ringmaster.ops.quantized_ring import quantized_ring_allreduce  # noqa: E402
+from ringmaster.worker.compression.quantization import RingCodec  # noqa: E402
+
+for kind in ("dynamic tree", "linear8"):
+    codec = RingCodec(kind)
+    engine = HostCopyEngine()
+    transport = StagedTransport(comm, None, 0, engine=engine)
+    for count, scale in ((0, None), (1, None), (SIZE * 3 + 1, 0.5), (600_001, 1.0 / SIZE), (50_000, None)):
+        values = [np.random.default_rng((11, count, r)).standard_normal(count).astype(np.float32)
+                  for r in range(SIZE)]
+        expected = quantized_ring_allreduce(comm, values[RANK].copy(), codec, scale=scale)
+        device = values[RANK].copy()
+        engine.log.clear()
+        transport.quantized_allreduce(device, codec, scale=scale)
+        TALLY.report(f"8-bit ring ({kind}) on the staged link, {count} values: the host ring's bits",
+                     np.array_equal(device.view(np.uint32), expected.view(np.uint32)),
+                     f"{device[:3]} vs {expected[:3]}")
+        steps = 2 * (SIZE - 1) if count and SIZE > 1 else 0
+        moved = [entry[0] for entry in engine.log if entry[0] in ("to_host", "to_device")]
+        TALLY.report(f"8-bit ring ({kind}), {count} values: one copy down and one up per step",
+                     moved == ["to_host", "to_device"] * steps, str(moved))
+        if steps:
+            TALLY.report(f"8-bit ring ({kind}), {count} values: the copies up are drained at its end",
+                         engine.log[-1] == ("drain",), str(engine.log[-3:]))
+
 TALLY.done()
 sys.exit(1 if TALLY.failures else 0)
