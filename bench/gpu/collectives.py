@@ -14,7 +14,10 @@ rank's, with the implementations taking turns repetition by repetition:
   buffer up), the same host allreduce on host memory (``ringmaster.ops.allreduce``) and raw
   ``MPI_Allreduce`` on host memory; the ``ipc`` transport (ranks on one host) against the
   device copy; ``nccl`` where every rank has a GPU of its own; and ``rm.allreduce_`` on a
-  CUDA tensor (the user's path: negotiation included) under the job's default transport.
+  CUDA tensor (the user's path: negotiation included) under the job's default transport;
+* the 8-bit ring (``Compression.int8`` on the wire) on host memory (``ops.quantized_ring_allreduce``)
+  and on the device over each transport (encoding and sums on the GPU, each step's bytes
+  over the transport's link), at the sizes of ``--quantized-mib``.
 
 Ratios: staged / host allreduce (goal <= 1.1; naive staging was 1.34 on an H100),
 ipc time / device-copy time of the same bytes.
@@ -80,6 +83,7 @@ def main():
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sizes-mib", default="4,64")
     parser.add_argument("--max-chunks", default="", help="also time the staged transport with these chunk counts")
+    parser.add_argument("--quantized-mib", default="4,64", help="sizes of the 8-bit ring rows ('' for none)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu/collectives.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -147,6 +151,17 @@ def main():
             results[f"staged {chunks} chunks"] = timed(comm, lambda: (transports["staged"].allreduce(device, "sum"),
                                                                        stream.synchronize()), args.reps)
         transports["staged"].max_chunks = 8
+        if str(size_mib) in args.quantized_mib.split(","):
+            from ringmaster.worker.compression.quantization import RingCodec
+
+            codec = RingCodec("dynamic tree")
+            results["host 8-bit ring"] = timed(
+                comm, lambda: ops.quantized_ring_allreduce(comm, host, codec), args.reps)
+            for name, transport in transports.items():
+                def quantized(transport=transport):
+                    transport.quantized_allreduce(device, codec)
+                    stream.synchronize()
+                results[f"{name} 8-bit ring"] = timed(comm, quantized, args.reps)
         tensor = torch.from_dlpack(device)
         results["rm.allreduce_ (default transport)"] = timed(
             comm, lambda: (rm.allreduce_(tensor, op=rm.Sum, name=f"bench.{size_mib}"), torch.cuda.synchronize()),

@@ -40,8 +40,8 @@ bench() {  # bench NAME SECONDS COMMAND...
   echo "== $*" >> "$out/benchmarks.txt"
   timeout "$limit" "$@" >> "$out/benchmarks.txt" 2>> "$out/benchmarks.err" || echo "== $name failed or timed out" >> "$out/benchmarks.txt"
 }
-bench collectives-1 30 mpirun --allow-run-as-root -np 1 "$python" bench/gpu/collectives.py --reps 9
-bench collectives-2 60 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/collectives.py --reps 9 --max-chunks 2,4,16
+bench collectives-1 40 mpirun --allow-run-as-root -np 1 "$python" bench/gpu/collectives.py --reps 9
+bench collectives-2 80 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/collectives.py --reps 9 --max-chunks 2,4,16
 [ -z "${GPU_CHECK_NO_CODECS:-}" ] && bench codecs 90 "$python" bench/gpu/codecs.py --reps 7
 bench train-2 50 mpirun --allow-run-as-root --oversubscribe -np 2 "$python" bench/gpu/train.py --rounds 3 --steps 8
 cat "$out/benchmarks.txt"

@@ -23,6 +23,7 @@ around the host collective: they are data movement of modest size in training.
 
 from __future__ import annotations
 
+import contextlib
 from typing import List
 
 import numpy as np
@@ -98,7 +99,20 @@ class StagedTransport:
         adds where ``array`` is; only each step's 8-bit bytes move, over :meth:`ring_link`."""
         if self._link is None:
             self._link = self.ring_link()
-        run_quantized_ring(self.comm, array, codec, self._link, scale)
+        with self._codec_stream():
+            run_quantized_ring(self.comm, array, codec, self._link, scale)
+
+    def _codec_stream(self):
+        """Torch's and CuPy's current stream made this transport's (the codec is torch
+        operations; the links order their copies after this stream)."""
+        if self.stream is None:  # host arrays (the CPU tests)
+            return contextlib.nullcontext()
+        import torch
+
+        streams = contextlib.ExitStack()
+        streams.enter_context(self.stream)
+        streams.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(self.stream.ptr)))
+        return streams
 
     def ring_link(self):
         """The 8-bit ring's link (``quantized_links``): here each step's bytes go through pinned memory."""
