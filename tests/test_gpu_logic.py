@@ -79,10 +79,9 @@ def test_the_hierarchical_allreduce_refuses_a_forced_transport_that_cannot_run_w
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np,local_size", [(4, 2), (6, 3)], ids=["2 hosts x 2", "2 hosts x 3"])
-def test_hierarchical_transport_on_pretend_hosts_with_host_copies(np, local_size):
-    result = mpirun(np, HIERARCHICAL_JOB, timeout=100, args=["host", str(local_size)])
-    assert_job_passed(result, np)
+def test_hierarchical_transport_on_two_pretend_hosts_of_two_with_host_copies():
+    result = mpirun(4, HIERARCHICAL_JOB, timeout=100, args=["host", "2"])
+    assert_job_passed(result, 4)
 
 
 def test_the_wheels_open_mpi_is_detected_as_not_cuda_aware(monkeypatch):
