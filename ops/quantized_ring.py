@@ -61,6 +61,10 @@ class Codec(Protocol):
     def decode(self, encoded: np.ndarray, out: np.ndarray, add: np.ndarray = None) -> None:
         """Decode ``encoded`` into the float32 ``out``; with ``add``, write ``add + decoded``."""
 
+    # Optional, used on buffers that are not NumPy arrays (a device's) where present:
+    # ``encode_blocks(values, out, block)`` and ``decode_blocks(encoded, out, block, add=None)``,
+    # the same bytes and values as encode / decode called once per block of ``block`` elements.
+
 
 class Link(Protocol):
     """How the ring's encoded bytes reach the neighbours (see the module docstring).
@@ -137,7 +141,7 @@ def run_quantized_ring(comm: MPI.Comm, buffer, codec: Codec, link: Link, scale: 
     """The ring of :func:`quantized_ring_allreduce` on any 1-D float32 ``buffer`` that
     ``codec`` reads and writes (a NumPy array, a device array), its bytes moved by ``link``;
     no argument checks (the caller's)."""
-    if comm.Get_size() > 1 and buffer.size:
+    if comm.Get_size() > 1 and len(buffer):  # (len: NumPy, CuPy and torch alike)
         _QuantizedRing(comm, buffer, codec, block, link).run(scale)
     elif scale is not None and scale != 1.0:
         buffer *= np.float32(scale)
@@ -165,7 +169,7 @@ class _QuantizedRing:
         self.comm, self.buffer, self.codec, self.block, self.link = comm, buffer, codec, block, link
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.right, self.left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        self.bounds = chunk_bounds(buffer.size, self.size)
+        self.bounds = chunk_bounds(len(buffer), self.size)
         # Where each chunk's encoding lives in one byte store, in chunk order: the
         # allgather phase receives every chunk's bytes there and forwards them from there.
         sizes = [_chunk_encoded_bytes(self._length(c), codec, block) for c in range(self.size)]
@@ -173,6 +177,9 @@ class _QuantizedRing:
         self.encoded = link.scratch("encoded", int(self.offsets[-1]))
         largest = max(sizes)
         self.incoming = link.scratch("incoming", largest)
+        # On the host a block at a time keeps the codec's temporaries in cache; elsewhere (a
+        # device) a chunk at a time, where the codec can, saves a few kernel launches a block.
+        self.whole_chunks = not isinstance(buffer, np.ndarray) and hasattr(codec, "encode_blocks")
         self.sent = 0
 
     def _length(self, chunk: int) -> int:
@@ -195,12 +202,18 @@ class _QuantizedRing:
 
     def _encode_chunk(self, chunk: int) -> np.ndarray:
         values, out = self._values(chunk), self._bytes(chunk)
+        if self.whole_chunks:
+            self.codec.encode_blocks(values, out, self.block)
+            return out
         for value_range, byte_range in self._blocks(chunk):
             self.codec.encode(values[value_range], out[byte_range])
         return out
 
     def _decode_chunk(self, chunk: int, encoded: np.ndarray, add: bool) -> None:
         values = self._values(chunk)
+        if self.whole_chunks:
+            self.codec.decode_blocks(encoded, values, self.block, add=values if add else None)
+            return
         for value_range, byte_range in self._blocks(chunk):
             target = values[value_range]
             self.codec.decode(encoded[byte_range], target, add=target if add else None)

@@ -253,3 +253,36 @@ def test_cuda_matches_cpu(name):
     assert torch.equal(codes.cpu(), cpu_codes) and absmax.cpu() == cpu_absmax
     assert torch.equal(decode(codes, absmax).cpu(), decode(cpu_codes, cpu_absmax))
     assert torch.equal(q.pack(codes, absmax).cpu(), q.pack(cpu_codes, cpu_absmax))
+
+
+@pytest.mark.parametrize("kind", ["dynamic tree", "linear8"])
+@pytest.mark.parametrize("count", [0, 5, 3_000, 3_001, 10_007])
+def test_ring_codec_whole_chunks_give_the_bytes_of_one_block_at_a_time(kind, count):
+    codec, block = q.RingCodec(kind), 1000
+    values = torch.randn(count, generator=torch.Generator().manual_seed(count)) * 3
+    addend = torch.randn(count, generator=torch.Generator().manual_seed(count + 1))
+    blocks = [(start, min(block, count - start)) for start in range(0, count, block)]
+    size = sum(codec.encoded_bytes(n) for _, n in blocks)
+    one_at_a_time, whole = torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+    expected, expected_sum = torch.empty(count), torch.empty(count)
+    position = 0
+    for start, n in blocks:
+        part = one_at_a_time[position:position + codec.encoded_bytes(n)]
+        codec.encode(values[start:start + n], part)
+        codec.decode(part, expected[start:start + n])
+        codec.decode(part, expected_sum[start:start + n], add=addend[start:start + n])
+        position += codec.encoded_bytes(n)
+    codec.encode_blocks(values, whole, block)
+    decoded, summed = torch.empty(count), torch.empty(count)
+    codec.decode_blocks(whole, decoded, block)
+    codec.decode_blocks(whole, summed, block, add=addend)
+    assert torch.equal(whole, one_at_a_time)
+    assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(summed.view(torch.int32), expected_sum.view(torch.int32))
+
+
+def test_ring_codec_whole_chunks_refuse_non_finite_input_as_one_block_does():
+    values = torch.ones(3_000)
+    values[1_500] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        q.RingCodec("linear8").encode_blocks(values, torch.empty(3_012, dtype=torch.uint8), 1000)

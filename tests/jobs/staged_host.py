@@ -99,5 +99,24 @@ for kind in ("dynamic tree", "linear8"):
             TALLY.report(f"8-bit ring ({kind}), {count} values: the copies up are drained at its end",
                          engine.log[-1] == ("drain",), str(engine.log[-3:]))
 
+# On torch tensors the ring encodes and decodes a chunk at a time (as on a GPU, where a
+# block at a time costs kernel launches): still the host ring's bits. Blocks of 1,000 so
+# that chunks hold several, and a shorter last one.
+import torch  # noqa: E402
+
+from ringmaster.ops.quantized_ring import MpiLink, run_quantized_ring  # noqa: E402
+
+for kind in ("dynamic tree", "linear8"):
+    codec = RingCodec(kind)
+    for count in (1, SIZE * 1000, 10_007, 100_003):
+        values = [np.random.default_rng((13, count, r)).standard_normal(count).astype(np.float32)
+                  for r in range(SIZE)]
+        expected = quantized_ring_allreduce(comm, values[RANK].copy(), codec, scale=0.5, block=1000)
+        tensor = torch.from_numpy(values[RANK].copy())
+        run_quantized_ring(comm, tensor, codec, MpiLink(comm), 0.5, block=1000)
+        TALLY.report(f"8-bit ring ({kind}) a chunk at a time on torch tensors, {count} values: the host ring's bits",
+                     np.array_equal(tensor.numpy().view(np.uint32), expected.view(np.uint32)),
+                     f"{tensor[:3]} vs {expected[:3]}")
+
 TALLY.done()
 sys.exit(1 if TALLY.failures else 0)

@@ -377,6 +377,57 @@ class RingCodec:
             torch.add(_as_tensor(add), decoded, out=target)
 
 
+    def encode_blocks(self, values, out, block: int) -> None:
+        """Encode ``values`` in blocks of ``block`` elements (the last one shorter) into ``out``,
+        laid out as consecutive :meth:`encode` outputs, with the same bytes: every full block
+        in one set of tensor operations (one per block would be a few kernel launches each)."""
+        source, target = _as_tensor(values), _as_tensor(out)
+        full = source.numel() // block
+        if full:
+            rows = source[:full * block].reshape(full, block).to(torch.float32)
+            low, high = torch.aminmax(rows, dim=1)
+            absmax = torch.maximum(low.abs(), high.abs())  # never -0.0
+            if _checks_finite(source, None) and not bool(torch.isfinite(absmax).all()):
+                self._encode_each(source[:full * block], target, block)  # raises encode's error
+            tables = _tables(self.kind, rows.device)
+            bits = (rows / torch.where(absmax > 0, absmax, 1.0).unsqueeze(1)).view(torch.int32)
+            keys = ((bits >> _CELL_SHIFT).bitwise_and_(_CELLS - 1)).reshape(-1)
+            codes = torch.index_select(tables.cell_code, 0, keys).reshape(full, block)
+            codes += bits > torch.index_select(tables.threshold, 0, keys).reshape(full, block)
+            packed = target[:full * (HEADER_BYTES + block)].reshape(full, HEADER_BYTES + block)
+            packed[:, :HEADER_BYTES] = absmax.reshape(full, 1).view(torch.uint8)
+            packed[:, HEADER_BYTES:] = codes
+        if source.numel() > full * block:
+            self.encode(source[full * block:], target[full * (HEADER_BYTES + block):])
+
+    def decode_blocks(self, encoded, out, block: int, add=None) -> None:
+        """Decode what :meth:`encode_blocks` wrote into ``out`` (plus ``add``), with the values
+        of :meth:`decode`: every full block in one set of tensor operations."""
+        source, target = _as_tensor(encoded), _as_tensor(out)
+        addend = None if add is None else _as_tensor(add)
+        full = target.numel() // block
+        if full:
+            packed = source[:full * (HEADER_BYTES + block)].reshape(full, HEADER_BYTES + block)
+            absmax = packed[:, :HEADER_BYTES].contiguous().view(torch.float32)  # (full, 1)
+            table = _tables(self.kind, source.device).decode.unsqueeze(0) * absmax  # each block's values
+            decoded = torch.gather(table, 1, packed[:, HEADER_BYTES:].to(torch.int64))
+            rows = target[:full * block].reshape(full, block)
+            if addend is None:
+                rows.copy_(decoded)
+            else:
+                torch.add(addend[:full * block].reshape(full, block), decoded, out=rows)
+        if target.numel() > full * block:
+            rest = full * block
+            self.decode(source[full * (HEADER_BYTES + block):], target[rest:],
+                        add=None if addend is None else addend[rest:])
+
+    def _encode_each(self, values: torch.Tensor, out: torch.Tensor, block: int) -> None:
+        for start in range(0, values.numel(), block):
+            count = min(block, values.numel() - start)
+            position = start // block * (HEADER_BYTES + block)
+            self.encode(values[start:start + count], out[position:position + HEADER_BYTES + count])
+
+
 def _as_tensor(array) -> torch.Tensor:
     """A torch view (no copy) of a torch tensor, a NumPy array, or a device array that
     speaks DLPack (CuPy)."""
