@@ -205,6 +205,23 @@ def test_ring_codec_takes_device_tensors(device, kind):
     assert np.array_equal(out.cpu().numpy(), host_out) and np.array_equal(decoded.cpu().numpy(), host_decoded)
 
 
+@pytest.mark.parametrize("device", DEVICE_PATHS)
+def test_ring_codec_whole_chunks_on_the_device_give_the_hosts_bytes(device):
+    codec, block = q.RingCodec("dynamic tree"), 1000
+    values = randn(10_500, seed=5)
+    host = torch.empty(11 * q.HEADER_BYTES + 10_500, dtype=torch.uint8)
+    host_decoded = torch.empty(10_500)
+    codec.encode_blocks(values, host, block)
+    codec.decode_blocks(host, host_decoded, block, add=values)
+    with device_path(device):
+        source = values.to(where(device))
+        out = torch.empty_like(host, device=where(device))
+        decoded = torch.empty_like(source)
+        codec.encode_blocks(source, out, block)
+        codec.decode_blocks(out, decoded, block, add=source)
+    assert torch.equal(out.cpu(), host) and torch.equal(decoded.cpu(), host_decoded)
+
+
 # ---------------------------------------------------------------------------------------
 # Selection
 
