@@ -106,4 +106,27 @@ class HierarchicalTransport:
             transport.close()
 
 
-__all__ = ["HierarchicalTransport", "hierarchical_allreduce"]
+def open_hierarchical(setting: str, flat_choice, flat, local_comm, cross_comm, describe: Callable,
+                      open_transport: Callable, through_hosts: Callable[..., bool]):
+    """The :class:`HierarchicalTransport` of a communicator whose hosts' communicators are
+    ``local_comm`` and ``cross_comm``, and the line that says what it chose (collective on both).
+
+    Args:
+        setting: ``RINGMASTER_GPU_TRANSPORT``.
+        flat_choice, flat: the whole communicator's transport choice and its open transport.
+        describe: ``comm -> Placement`` (``placement.describe`` on this rank's GPU).
+        open_transport: ``(name, comm) -> transport`` on this rank's GPU and stream.
+        through_hosts: as :class:`HierarchicalTransport`'s.
+    """
+    from .placement import choose_hierarchical
+
+    within, between = choose_hierarchical(setting, describe(local_comm), describe(cross_comm))
+    transport = HierarchicalTransport(flat, open_transport(within.name, local_comm),
+                                      open_transport(between.name, cross_comm), through_hosts)
+    line = (f"GPU transport for {flat.size} rank(s) on {cross_comm.Get_size()} hosts: big allreduces hierarchical, "
+            f"{within.name} within each host ({within.reason}) and {between.name} between them ({between.reason}); "
+            f"the rest over {flat_choice.name} ({flat_choice.reason})")
+    return transport, line
+
+
+__all__ = ["HierarchicalTransport", "hierarchical_allreduce", "open_hierarchical"]

@@ -6,8 +6,9 @@ shared-memory nodes), and every dtype, op and length is checked against NumPy, e
 holding the same bytes:
 
 * ``host``: NumPy arrays stand in for device ones, and every transport is the staged one
-  with the host copy engine (``HostCopyEngine``): the composition, chunking, in-place
-  reduce-scatter and allgather run in CI exactly as on a GPU;
+  with the host copy engine (``HostCopyEngine``): the choice of transports from a described
+  placement, the composition, chunking, in-place reduce-scatter and allgather run in CI
+  exactly as on a GPU;
 * ``cuda``: CuPy arrays on this rank's GPU; within a host the transport ``WITHIN`` (default
   ``ipc``: ranks share the one GPU of a test machine), between hosts ``staged``.
 
@@ -22,7 +23,8 @@ import numpy as np
 from mpi4py import MPI
 
 from job_report import Tally
-from ringmaster.ops.gpu.hierarchical import HierarchicalTransport, hierarchical_allreduce
+from ringmaster.ops.gpu.hierarchical import hierarchical_allreduce, open_hierarchical
+from ringmaster.ops.gpu.placement import Placement, TransportChoice
 from ringmaster.ops.hierarchical import chunk_counts
 
 MODE, LOCAL_SIZE = sys.argv[1], int(sys.argv[2])
@@ -37,7 +39,7 @@ if MODE == "host":
     from ringmaster.ops.gpu.copies import HostCopyEngine
     from ringmaster.ops.gpu.staged import StagedTransport
 
-    def open_transport(name, transport_comm):
+    def open_transport(name, transport_comm):  # the staged transport stands in for every one
         return StagedTransport(transport_comm, None, 0, engine=HostCopyEngine())
 
     def to_device(array):
@@ -89,10 +91,36 @@ class Recording:
 
 
 flat = Recording(open_transport(WITHIN if MODE == "cuda" else "staged", comm))
-local = open_transport(WITHIN, local_comm)
-cross = open_transport("staged", cross_comm)
+# Built as the runtime builds it (open_hierarchical), from a described placement: on the CPU
+# "hosts" of LOCAL_SIZE ranks that share one GPU each, no NCCL, an MPI that is not CUDA-aware.
+opened = []
+
+
+def described(which):
+    if MODE == "cuda":
+        from ringmaster.ops.gpu.placement import describe
+        return describe(which, DEVICE)
+    ranks = which.allgather(RANK)
+    return Placement(hosts=tuple(f"host{r // LOCAL_SIZE}" for r in ranks),
+                     gpus=tuple(f"host{r // LOCAL_SIZE}/0" for r in ranks), nccl=False, cuda_aware_mpi=False,
+                     mpi_detail="described by the test")
+
+
+def opening(name, which):
+    opened.append((name, which.Get_size()))
+    return open_transport(name, which)
+
+
 # The runtime's rule is "where the flat ring would run"; here: at least 1,000 elements.
-transport = HierarchicalTransport(flat, local, cross, lambda array, op, algorithm: array.size >= 1000)
+transport, line = open_hierarchical(WITHIN if MODE == "cuda" else "auto", TransportChoice("staged", "the test's"),
+                                    flat, local_comm, cross_comm, described, opening,
+                                    lambda array, op, algorithm: array.size >= 1000)
+local, cross = transport.local, transport.cross
+if MODE == "host":
+    TALLY.report("the transports within and between hosts, on the hosts' communicators",
+                 opened == [("ipc", LOCAL_SIZE), ("staged", SIZE // LOCAL_SIZE)], str(opened))
+    TALLY.report("the line names both choices and the flat one", "ipc within each host" in line
+                 and "staged between them" in line and "the rest over staged" in line, line)
 
 
 def inputs(seed, dtype, op, n):

@@ -226,27 +226,25 @@ class CudaDevice:
 
     def _open_transport(self, group):
         from ringmaster.ops import gpu
+        from ringmaster.ops.gpu.hierarchical import open_hierarchical
 
-        choice = gpu.choose_transport(self.setting, gpu.placement.describe(group.comm, self.device.index))
-        flat = gpu.open_transport(choice.name, group.comm, self._cupy_stream, self.device.index)
+        index = self.device.index
+        choice = gpu.choose_transport(self.setting, gpu.placement.describe(group.comm, index))
+        flat = gpu.open_transport(choice.name, group.comm, self._cupy_stream, index)
         hosts = self.hierarchies.get(id(group.comm))
         if hosts is None:
             if group.rank == 0:
                 log.warning("GPU transport for %d rank(s): %s (%s)", group.size, choice.name, choice.reason)
             return flat
-        within, between = gpu.choose_hierarchical(self.setting, gpu.placement.describe(hosts.local, self.device.index),
-                                                  gpu.placement.describe(hosts.cross, self.device.index))
-        if group.rank == 0:
-            log.warning("GPU transport for %d rank(s) on %d hosts: big allreduces hierarchical, %s within each host "
-                        "(%s) and %s between them (%s); the rest over %s (%s)", group.size, hosts.cross.Get_size(),
-                        within.name, within.reason, between.name, between.reason, choice.name, choice.reason)
-        from ringmaster.ops.gpu.hierarchical import HierarchicalTransport
-
         size = group.size
-        return HierarchicalTransport(
-            flat, gpu.open_transport(within.name, hosts.local, self._cupy_stream, self.device.index),
-            gpu.open_transport(between.name, hosts.cross, self._cupy_stream, self.device.index),
-            lambda array, op, algorithm: hierarchy.use_for(algorithm, array, size, op))
+        transport, line = open_hierarchical(
+            self.setting, choice, flat, hosts.local, hosts.cross,
+            describe=lambda comm: gpu.placement.describe(comm, index),
+            open_transport=lambda name, comm: gpu.open_transport(name, comm, self._cupy_stream, index),
+            through_hosts=lambda array, op, algorithm: hierarchy.use_for(algorithm, array, size, op))
+        if group.rank == 0:
+            log.warning("%s", line)
+        return transport
 
     def forget(self, comm) -> None:
         transport = self._transports.pop(id(comm), None)
