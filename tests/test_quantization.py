@@ -242,7 +242,7 @@ def test_wrong_types_are_refused():
         q.decode_dynamic_tree(ALL_CODES, torch.tensor(1.0), torch.int32)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", CODECS)
 def test_cuda_matches_cpu(name):
     encode, decode, _ = CODECS[name]

@@ -17,7 +17,7 @@ from ringmaster.worker.compression.rgc import Plan, RGCCompressor, TopKCompresso
 
 pytestmark = pytest.mark.timeout(120)
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]  # cuda skips (conftest) without a GPU
 
 
 def gen(seed):
