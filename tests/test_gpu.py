@@ -71,7 +71,8 @@ def test_forcing_mpi_on_an_mpi_that_is_not_cuda_aware_is_a_clear_error():
 
     if mpi_cuda_support()[0]:
         pytest.skip("this MPI is CUDA-aware: the mpi transport is run by the collectives test")
-    result = mpirun(1, """
+    # Two ranks: at one, an allreduce moves nothing and opens no transport.
+    result = mpirun(2, """
         import torch, ringmaster as rm
         rm.init()
         rm.allreduce(torch.ones(4, device="cuda"))

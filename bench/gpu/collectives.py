@@ -15,6 +15,9 @@ rank's, with the implementations taking turns repetition by repetition:
   ``MPI_Allreduce`` on host memory; the ``ipc`` transport (ranks on one host) against the
   device copy; ``nccl`` where every rank has a GPU of its own; and ``rm.allreduce_`` on a
   CUDA tensor (the user's path: negotiation included) under the job's default transport;
+* with ``--small-bytes``, small allreduces per transport against ``MPI_Allreduce`` on host
+  memory and ``rm.allreduce_``: where the ipc transport's own path stops paying (its
+  ``IPC_MIN_BYTES``);
 * the 8-bit ring (``Compression.int8`` on the wire) on host memory (``ops.quantized_ring_allreduce``)
   and on the device over each transport (encoding and sums on the GPU, each step's bytes
   over the transport's link), at the sizes of ``--quantized-mib``.
@@ -78,12 +81,52 @@ def device_limits(reps):
             "reduction GB/s": 3 * nbytes / reduce_ / 1e9, "copy s": copy}
 
 
+def small_table(comm, transports, stream, sizes, reps):
+    """Per size: the ipc transport's own path (its staged shortcut off), the staged path, raw
+    ``MPI_Allreduce`` on host memory, and ``rm.allreduce_`` (which takes the shortcut)."""
+    import cupy
+
+    import ringmaster as rm
+    from ringmaster.ops.gpu.ipc import IPC_MIN_BYTES
+
+    ipc = transports.get("ipc")
+    rows = []
+    for nbytes in sizes:
+        count = max(1, nbytes // 4)
+        device = cupy.ones(count, dtype=cupy.float32)
+        host = np.ones(count, dtype=np.float32)
+        results = {}
+        for name, transport in transports.items():
+            def run(transport=transport):
+                transport.allreduce(device, "sum")
+                stream.synchronize()
+            if transport is ipc:
+                ipc.min_bytes = 0
+            results[name] = timed(comm, run, reps * 3)
+        if ipc is not None:
+            ipc.min_bytes = IPC_MIN_BYTES
+        results["host MPI_Allreduce"] = timed(comm, lambda: comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM), reps * 3)
+        tensor = torch.from_dlpack(device)
+        results["rm.allreduce_"] = timed(
+            comm, lambda: (rm.allreduce_(tensor, op=rm.Sum, name=f"bench.small.{nbytes}"), torch.cuda.synchronize()),
+            reps * 3)
+        rows.append((nbytes, results))
+    if comm.Get_rank() == 0:
+        names = list(rows[0][1])
+        print(f"\n## small allreduces, float32, {comm.Get_size()} rank(s): median ms")
+        print(f"{'bytes':>9} " + " ".join(f"{name:>18}" for name in names))
+        for nbytes, results in rows:
+            print(f"{nbytes:>9} " + " ".join(f"{results[name] * 1e3:18.3f}" for name in names))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sizes-mib", default="4,64")
     parser.add_argument("--max-chunks", default="", help="also time the staged transport with these chunk counts")
     parser.add_argument("--quantized-mib", default="4,64", help="sizes of the 8-bit ring rows ('' for none)")
+    parser.add_argument("--small-bytes", default="",
+                        help="also a table of the allreduce of these byte counts per transport (ipc's crossover)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu/collectives.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -123,6 +166,8 @@ def main():
 
         transports["nccl"] = NcclTransport(comm, stream, device_id)
 
+    if args.small_bytes:
+        small_table(comm, transports, stream, [int(b) for b in args.small_bytes.split(",")], args.reps)
     for size_mib in [int(s) for s in args.sizes_mib.split(",")]:
         count = size_mib * MIB // 4
         host = np.random.default_rng(rank).standard_normal(count).astype(np.float32)

@@ -17,6 +17,11 @@ barrier of the call in between, which every peer enters only once its stream has
 finished reading (step 3) the buffer of the call before. That saves one barrier and one
 stream synchronization per call over a single buffer (which needs a third barrier).
 
+Allreduces under :data:`IPC_MIN_BYTES` go through host memory instead (the staged
+transport's path: device to host, MPI, host to device): two stream synchronizations and
+two barriers between processes that time-slice one GPU cost more than the copies of a
+small buffer.
+
 Each chunk is reduced by exactly one rank, so all ranks hold bit-identical results.
 Before each barrier the rank waits for its own stream, since the peers read what its
 kernels wrote. Reduce-scatter (steps 1-2, one barrier) and allgather (step 1's copy, a
@@ -34,6 +39,11 @@ from .reductions import as_reducible, combine
 from .staged import StagedTransport
 
 
+#: Allreduces of fewer bytes take the staged path (see the module docstring). Chosen from
+#: ``bench/gpu/collectives.py --small-bytes`` at 2 ranks sharing one H200 (docs/benchmarks.md).
+IPC_MIN_BYTES = 256 << 10
+
+
 class IpcTransport(StagedTransport):
     """Allreduce through CUDA IPC between the ranks of one host (see the module docstring)."""
 
@@ -48,8 +58,12 @@ class IpcTransport(StagedTransport):
         self._own_pointers = []   # this rank's two transfer buffers
         self._peer_pointers = []  # per buffer: rank -> pointer opened from its handle
         self._turn = 0            # which of the two buffers this call uses
+        self.min_bytes = IPC_MIN_BYTES  # below it, allreduce through host memory (same on every rank)
 
     def allreduce(self, array, op: str = "sum", scale=None, algorithm: str = "auto") -> None:
+        if self.size > 1 and 0 < array.nbytes < self.min_bytes:
+            super().allreduce(array, op, scale, algorithm)
+            return
         if self.size == 1 or array.size == 0:
             if scale is not None and scale != 1.0 and array.size:
                 with self.stream:

@@ -25,8 +25,11 @@ from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
 if TYPE_CHECKING:  # the executor imports this module
     from ringmaster.worker.runtime.entries import Entry, SetComm
 
-#: Tensors of at least this many bytes are never copied into the fusion buffer: at about
-#: 10 GB/s of memory bandwidth the two copies cost more than a separate allreduce call.
+#: Host tensors of at least this many bytes are never copied into the fusion buffer: at about
+#: 10 GB/s of memory bandwidth the two copies cost more than a separate allreduce call. On a
+#: GPU every tensor of a response is fused: a device copy runs at about 3 TB/s (16.8 MB in
+#: 11 us on an H200), while each transport call has a fixed cost of 0.3-0.4 ms (the ipc
+#: transport at 2 ranks sharing an H200, 4 bytes; docs/benchmarks.md, "GPU anatomy").
 UNFUSED_MIN_BYTES = 1 << 20
 
 OPS_REDUCTION = {pb.SUM: "sum", pb.AVERAGE: "sum", pb.MIN: "min", pb.MAX: "max", pb.PRODUCT: "prod"}
@@ -50,7 +53,8 @@ class AllreducePaths:
             # Big tensors are reduced where they lie: copying one into the fusion buffer and
             # back costs more than a call of its own. Decided from the response alone, so
             # every rank splits the same way.
-            alone = [len(shapes) == 1 or math.prod(shape) * dtype.itemsize >= UNFUSED_MIN_BYTES
+            on_host = device.kind == "cpu"
+            alone = [len(shapes) == 1 or (on_host and math.prod(shape) * dtype.itemsize >= UNFUSED_MIN_BYTES)
                      for shape in shapes]
             for entry, shape, single in zip(entries, shapes, alone):
                 if single:
