@@ -155,37 +155,155 @@ def test_state_service_keeps_the_exits_of_ranks_that_shrank_until_the_next_gener
 
 
 # ------------------------------------------------------------------ sampler and state, one process
-def shards(sampler_module, monkeypatch, dataset, processed, size, epoch=0):
-    """Each rank's indices of an ElasticSampler at world ``size`` with ``processed`` done."""
+def horovod_shard(examples, processed_num, size, rank, epoch=0, seed=3, shuffle=True):
+    """Horovod 0.28's ElasticSampler, written out: rank ``rank``'s indices at world ``size``
+    after ``processed_num`` samples of epoch ``epoch``, and its ``len``."""
+    import math
+    import random
+
+    order = list(range(examples))
+    if shuffle:
+        random.Random(seed + epoch).shuffle(order)
+    remaining = order[processed_num:]
+    num_samples = math.ceil(len(remaining) / size)
+    total = num_samples * size
+    padded = remaining + remaining[:total - len(remaining)]
+    assert len(padded) == total  # Horovod asserts it too: it pads at most once
+    return padded[rank:total:size], num_samples
+
+
+def sampler_at(monkeypatch, size, rank, dataset, state=None, shuffle=True, seed=3):
+    """An ElasticSampler as rank ``rank`` of ``size`` sees it, loaded with ``state``."""
     from ringmaster.worker.frontend import elastic_sampler
 
-    result = []
-    for rank in range(size):
-        monkeypatch.setattr(elastic_sampler, "_initialized", lambda: True)
-        monkeypatch.setattr(elastic_sampler.topology, "size", lambda: size)
-        monkeypatch.setattr(elastic_sampler.topology, "rank", lambda rank=rank: rank)
-        sampler = elastic_sampler.ElasticSampler(dataset, shuffle=True, seed=3)
-        sampler.load_state_dict({"epoch": epoch, "processed_indices": set(processed)})
-        result.append(list(sampler))
-    return result
+    monkeypatch.setattr(elastic_sampler, "_initialized", lambda: True)
+    monkeypatch.setattr(elastic_sampler.topology, "size", lambda: size)
+    monkeypatch.setattr(elastic_sampler.topology, "rank", lambda: rank)
+    sampler = elastic_sampler.ElasticSampler(dataset, shuffle=shuffle, seed=seed)
+    if state is not None:
+        sampler.load_state_dict(state)
+    return sampler
 
 
-def test_elastic_sampler_reshards_only_what_is_left_of_the_epoch(monkeypatch):
+def test_elastic_sampler_shards_and_len_are_horovods_at_any_count_and_size(monkeypatch):
     pytest.importorskip("torch")
-    dataset = range(23)
-    first = shards(None, monkeypatch, dataset, set(), 3)
-    assert all(len(part) == 8 for part in first)
-    assert set().union(*map(set, first)) == set(dataset)
-    done = set(first[0][:3] + first[1][:3] + first[2][:3])  # three batches of one on each rank
-    after = shards(None, monkeypatch, dataset, done, 2)
-    left = set(dataset) - done
-    assert all(len(part) == 7 for part in after)
-    assert set(after[0]) | set(after[1]) == left and not (set(after[0]) | set(after[1])) & done
-    assert len(after[0] + after[1]) - len(left) == 0  # 14 left over 2 ranks: nothing padded
-    padded = shards(None, monkeypatch, dataset, done, 3)
-    assert set().union(*map(set, padded)) == left and sum(map(len, padded)) == 15  # one used twice
-    other_epoch = shards(None, monkeypatch, dataset, set(), 3, epoch=1)
-    assert other_epoch != first
+    for examples in (1, 2, 7, 23, 64):
+        for size in (1, 2, 3, 5):
+            for processed_num in sorted({0, 1, size, 2 * size + 1, examples - 1, examples, examples + size}):
+                if processed_num < 0 or 0 < examples - processed_num < size - 1:
+                    continue  # fewer left than padding: Horovod's assertion fails (below, ours repeats them)
+                for shuffle in (True, False):
+                    state = {"epoch": 4, "processed_num": processed_num}
+                    for rank in range(size):
+                        sampler = sampler_at(monkeypatch, size, rank, range(examples), state, shuffle=shuffle)
+                        expected, num_samples = horovod_shard(examples, processed_num, size, rank, epoch=4,
+                                                              shuffle=shuffle)
+                        assert list(sampler) == expected and len(sampler) == num_samples, (examples, size, rank)
+                        assert sampler.state_dict() == state
+    # 2 left over 5 ranks: the 2 are repeated until every rank has one
+    shards = [list(sampler_at(monkeypatch, 5, rank, range(10), {"epoch": 0, "processed_num": 8}))
+              for rank in range(5)]
+    order = horovod_shard(10, 8, 1, 0)[0]
+    assert shards == [[order[0]], [order[1]], [order[0]], [order[1]], [order[0]]]
+
+
+def test_elastic_sampler_counts_as_horovods_and_set_epoch_starts_over(monkeypatch):
+    pytest.importorskip("torch")
+    sampler = sampler_at(monkeypatch, 3, 1, range(40))
+    assert (sampler.epoch, sampler.processed_num, len(sampler)) == (0, 0, 14)
+    sampler.record_batch(0, 4)
+    sampler.record_batch(1, 4)
+    assert sampler.processed_num == 2 * 4 * 3 and len(sampler) == 14  # len follows the last reset, as Horovod's
+    sampler.reset()
+    assert len(sampler) == 6 and list(sampler) == horovod_shard(40, 24, 3, 1)[0]
+    sampler.set_epoch(1)
+    assert sampler.state_dict() == {"epoch": 1, "processed_num": 0} and len(sampler) == 14
+    assert list(sampler) == horovod_shard(40, 0, 3, 1, epoch=1)[0] != horovod_shard(40, 0, 3, 1, epoch=0)[0]
+
+
+def test_elastic_sampler_resumes_the_epoch_at_2_then_3_then_2_ranks_losing_and_repeating_nothing(monkeypatch):
+    pytest.importorskip("torch")
+    examples, batch = 101, 3
+    seen = []
+    state = {"epoch": 2, "processed_num": 0}
+    for size, steps in ((2, 5), (3, 4), (2, None)):  # None: to the end of the epoch
+        shards = [list(sampler_at(monkeypatch, size, rank, range(examples), state)) for rank in range(size)]
+        sampler = sampler_at(monkeypatch, size, 0, range(examples), state)
+        assert len(sampler) == -(-(examples - state["processed_num"]) // size)
+        steps = -(-len(sampler) // batch) if steps is None else steps
+        for step in range(steps):
+            for shard in shards:
+                seen.extend(shard[step * batch:(step + 1) * batch])
+            sampler.record_batch(step, batch)
+        state = sampler.state_dict()  # the commit, then the re-form at the next size
+    from collections import Counter
+
+    counts = Counter(seen)
+    assert set(counts) == set(range(examples))  # nothing lost
+    left_at_last_size = examples - (5 * 2 * batch + 4 * 3 * batch)
+    padding = -left_at_last_size % 2
+    assert len(seen) == examples + padding == 102  # one sample twice: the last round's padding
+    assert state["processed_num"] >= examples
+    assert list(sampler_at(monkeypatch, 2, 0, range(examples), state)) == []
+
+
+def test_elastic_sampler_in_a_torch_state_as_horovods_single_process_test_uses_it(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.delenv(protocol.ADDR_VAR, raising=False)
+    from ringmaster.worker.frontend.elastic_sampler import ElasticSampler
+    from ringmaster.worker.frontend.elastic_state import TorchState
+
+    batch_size, dataset = 2, list(range(8))
+    sampler = ElasticSampler(dataset, shuffle=True)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    state = TorchState(sampler=sampler, bcast_object=lambda value, root: value, get_rank=lambda: 0)
+    state.sync()
+    assert (sampler.epoch, sampler.processed_num) == (0, 0)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        batches = 0
+        for batch_idx, batch in enumerate(loader):
+            sampler.record_batch(batch_idx, batch_size)
+            batches += 1
+            assert sampler.processed_num == batch_size * batches
+        assert batches == 4
+    assert sum(1 for _ in loader) == 4 and sampler.processed_num == len(sampler) == 8  # no reset: the same again
+    sampler.set_epoch(2)
+    sampler.record_batch(0, batch_size)
+    sampler.record_batch(1, batch_size)
+    state.commit()
+    sampler.record_batch(2, batch_size)
+    state.restore()
+    assert sampler.processed_num == 4 and len(sampler) == 4
+    sampler.record_batch(2, batch_size)
+    state.commit()
+    state.sync()
+    assert sampler.processed_num == 6 and len(sampler) == 2
+    assert [list(batch) for batch in loader] == [horovod_shard(8, 6, 1, 0, epoch=2, seed=0)[0]]
+    sampler.set_epoch(3)
+    assert len(sampler) == 8 and sum(1 for _ in loader) == 4
+
+
+def test_elastic_sampler_converts_an_earlier_checkpoint_or_refuses_it_naming_what_to_load(monkeypatch):
+    pytest.importorskip("torch")
+    order = horovod_shard(23, 0, 1, 0, epoch=1)[0]
+    converted = sampler_at(monkeypatch, 2, 1, range(23), {"epoch": 1, "processed_indices": set(order[:9])})
+    assert converted.state_dict() == {"epoch": 1, "processed_num": 9}
+    assert list(converted) == horovod_shard(23, 9, 2, 1, epoch=1)[0]
+    # what ringmaster's earlier TorchState saved at the end of an epoch: every index
+    done = sampler_at(monkeypatch, 2, 0, range(23), {"epoch": 1, "processed_indices": set(range(23))})
+    assert done.processed_num == 23 and list(done) == [] and len(done) == 0
+    # one rank's own indices only (not gathered): not a prefix of the order
+    only_rank_0 = set(order[0:10:2])
+    with pytest.raises(ValueError) as refused:
+        sampler_at(monkeypatch, 2, 0, range(23), {"epoch": 1, "processed_indices": only_rank_0})
+    message = str(refused.value)
+    assert "ringmaster's earlier format ('processed_indices': 5 indices of epoch 1)" in message
+    assert "only the first 1 are" in message and "shuffle=True, seed=3" in message
+    assert "load {'epoch': 1, 'processed_num': 1} instead" in message
+    assert "or {'epoch': 2, 'processed_num': 0} to start the next epoch" in message
+    with pytest.raises(ValueError, match=r"expected a dict with 'epoch' and 'processed_num'.*\['epoch', 'seen'\]"):
+        sampler_at(monkeypatch, 2, 0, range(23), {"epoch": 1, "seen": 3})
 
 
 def test_torch_state_saves_restores_and_round_trips_through_a_snapshot(monkeypatch):
@@ -204,17 +322,17 @@ def test_torch_state_saves_restores_and_round_trips_through_a_snapshot(monkeypat
         optimizer.step()
 
     train_step()
-    sampler.record_indices([0, 1])
+    sampler.record_batch(0, 2)
     state.history.append(2)
     state.commit()  # no elastic driver here: commit is save()
     committed = {name: value.clone() for name, value in model.state_dict().items()}
     snapshot = state.snapshot()
     train_step()
-    sampler.record_indices([2, 3])
+    sampler.record_batch(1, 2)
     state.epoch, state.history = 5, [9]
     state.restore()
     assert all(torch.equal(committed[name], value) for name, value in model.state_dict().items())
-    assert state.epoch == 1 and state.history == [1, 2] and sampler.processed_indices == {0, 1}
+    assert state.epoch == 1 and state.history == [1, 2] and sampler.processed_num == 2
     assert list(sampler) == list(range(2, 10))
     state.history.append(3)  # the saved copy is a copy
     state.restore()
@@ -226,7 +344,8 @@ def test_torch_state_saves_restores_and_round_trips_through_a_snapshot(monkeypat
                        epoch=0, history=[])
     fresh.load_snapshot(snapshot)
     assert all(torch.equal(committed[name], value) for name, value in fresh_model.state_dict().items())
-    assert fresh.epoch == 1 and fresh.history == [1, 2] and fresh.sampler.processed_indices == {0, 1}
+    assert fresh.epoch == 1 and fresh.history == [1, 2] and fresh.sampler.processed_num == 2
+    assert list(fresh.sampler) == list(range(2, 10))
     momentum = [fresh_optimizer.state[p]["momentum_buffer"] for p in fresh_model.parameters()]
     assert all(m is not None and m.abs().sum() > 0 for m in momentum)
     calls = []

@@ -126,7 +126,7 @@ def main() -> int:
                 loss_of(model, x[index], y[index]).backward()
                 maybe_die()
                 optimizer.step()
-                sampler.record_indices(batch)
+                sampler.record_batch(number, args.batch)
                 state.history.append((rm.size(), rm.allgather_object(batch)))
                 print(f"STEP {generation} {len(state.history)} rank {rm.rank()} host {host} pid {os.getpid()}",
                       flush=True)

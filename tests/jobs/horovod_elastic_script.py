@@ -3,7 +3,7 @@
 tests/test_elastic.py runs it with the first import line changed to ringmaster and nothing
 else (one process, outside an elastic launcher); tests/test_elastic_cluster.py runs the same
 under an elastic ``ringrun`` on three hosts. Each epoch it prints how many examples the
-ranks processed together: ``EPOCH e processed n of N``.
+ranks processed together (the sampler's ``processed_num``): ``EPOCH e processed n of N``.
 """
 import horovod.torch as hvd
 
@@ -65,7 +65,7 @@ def train(state):
                 time.sleep(args.step_sleep)
             if state.batch % args.batches_per_commit == 0:
                 state.commit()
-        processed = len(set().union(*hvd.allgather_object(state.train_sampler.processed_indices)))
+        processed = state.train_sampler.processed_num
         if hvd.rank() == 0:
             print(f"EPOCH {state.epoch} processed {processed} of {len(train_set)}", flush=True)
         state.batch = 0
