@@ -1,5 +1,7 @@
 """Shared pytest set-up: tests marked ``cuda`` skip, with the reason, where no GPU is usable;
-without a GPU, Triton (if installed) interprets its kernels on the CPU."""
+without a GPU, Triton (if installed) interprets its kernels on the CPU. A CUDA device given
+as a parameter to a test without the mark is refused at collection, and so is a run without
+pytest-timeout."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ def gpu_missing_reason() -> str:
 
 
 def pytest_configure(config):
+    if not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("pytest-timeout is not active: every test's time limit would be ignored "
+                                "(pip install -e '.[test]', and do not pass -p no:timeout)")
     # Triton decides between compiling and interpreting when triton.language is first
     # imported, and torch may import it early: without a GPU, interpret from the start
     # (tests/test_gpu_compression.py runs compression's kernels so, as "triton").
@@ -33,11 +38,29 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _is_cuda_device(value) -> bool:
+    if isinstance(value, str):
+        return value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit())
+    return type(value).__name__ == "device" and getattr(value, "type", None) == "cuda"
+
+
+def unmarked_cuda_parameters(items) -> list:
+    """The collected tests given a CUDA device as a parameter without the ``cuda`` mark (the
+    device check runs ``-m cuda``: those would run on no machine). tests/cuda_markers.py
+    finds the rest, in the source."""
+    return [item.nodeid for item in items if item.get_closest_marker("cuda") is None
+            and any(_is_cuda_device(v) for v in getattr(getattr(item, "callspec", None), "params", {}).values())]
+
+
 def pytest_collection_modifyitems(config, items):
+    unmarked = unmarked_cuda_parameters(items)
+    if unmarked:
+        raise pytest.UsageError("tests given a CUDA device without the cuda mark (mark them, e.g. "
+                                "pytest.param('cuda', marks=pytest.mark.cuda)): " + ", ".join(unmarked))
     reason = gpu_missing_reason()
     if not reason:
         return
     skip = pytest.mark.skip(reason=f"GPU test: {reason}")
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:  # the mark, not a parameter id that reads "cuda"
             item.add_marker(skip)

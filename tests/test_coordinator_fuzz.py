@@ -37,7 +37,7 @@ POOLS = {
     "reduce_op": [pb.AVERAGE, pb.SUM, pb.ADASUM, pb.MIN, pb.MAX, pb.PRODUCT, 6, 42, -7],
     "dtype": ["float32", "float64", "int8", "int16", "bool", "", "float128", "x" * 100, "é"],
     "shape": [[], [0], [4], [2, 2], [-1], [4, -3], [1 << 62], [1 << 40, 1 << 40], [1] * 65, [2 ** 63 - 1]],
-    "device": ["cpu", "cuda", "", "z" * 40],
+    "device": ["cpu", "cuda", "", "z" * 40],  # cuda-marker: not a device (a name the coordinator compares)
     "root_rank": [0, 1, -1, 2, 7, 2 ** 31 - 1],
     "prescale_factor": [1.0, 0.0, -2.5, math.nan, math.inf, -math.inf, 1e308],
     "postscale_factor": [1.0, 0.5, math.nan, math.inf],

@@ -253,7 +253,7 @@ def test_a_cache_wake_concerns_the_whole_job(field):
 
 def test_a_tensor_on_the_cpu_of_one_rank_and_the_gpu_of_another_is_a_mismatch_naming_both():
     negotiator = Negotiator(2)
-    for rank, device in enumerate(("cpu", "cuda")):
+    for rank, device in enumerate(("cpu", "cuda")):  # cuda-marker: not a device (names compared)
         negotiator.add_request(rank, pb.TensorRequest(name="t", op_type=pb.ALLREDUCE, reduce_op=pb.SUM,
                                                       dtype="float32", shape=[4], device=device,
                                                       prescale_factor=1.0, postscale_factor=1.0))

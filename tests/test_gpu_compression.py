@@ -543,6 +543,7 @@ def test_codecs_benchmark_runs_on_cpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
 def test_codecs_benchmark_refuses_a_missing_cuda_device():
-    result = subprocess.run([sys.executable, str(BENCH), "--device", "cuda", "--numel", "1000"],
+    device = "cuda"  # cuda-marker: not a device (its refusal where there is none)
+    result = subprocess.run([sys.executable, str(BENCH), "--device", device, "--numel", "1000"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "no CUDA device" in result.stderr, result.stderr
