@@ -3,7 +3,8 @@
 Each host is a network namespace with its own hostname, address and sshd; ``ringrun`` runs
 inside the first host, as one would log into a node of a real cluster and launch from there.
 The tests skip, with the reason, where no cluster can be built (not root, no ``ip netns``,
-no ``/usr/sbin/sshd``: ``tests/cluster/setup.sh`` installs it). Every cluster is torn down
+no ``/usr/sbin/sshd``: ``tests/cluster/setup.sh`` installs it), and fail instead where
+``RINGMASTER_REQUIRE_CLUSTER=1`` (CI sets it in .ci/run). Every cluster is torn down
 after its test, whether the test passed or not.
 
 Jobs run one rank per host: across hosts the collectives and the training example give the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +32,7 @@ from mpijob import JobResult, job_environment, run_command
 
 from cluster import netns_cluster as ncl
 from cluster.fixtures import (netns_cluster, netns_cluster_factory, run_on, start_on,  # noqa: F401
-                              wait_for_no_processes)
+                              unavailable, wait_for_no_processes)
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_DIR = Path(__file__).resolve().parent / "cluster"
@@ -40,7 +42,7 @@ def _start_or_skip(num_hosts: int = 2) -> ncl.NetnsCluster:
     try:
         return ncl.NetnsCluster(num_hosts).start()
     except ncl.ClusterUnavailable as error:
-        pytest.skip(str(error))
+        unavailable(str(error))
 
 
 def _alive(pid: int) -> bool:
@@ -50,6 +52,34 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat", encoding="ascii") as handle:  # a zombie is gone too
         return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_cluster_that_cannot_be_built_skips_unless_one_is_required(monkeypatch):
+    monkeypatch.setenv("RINGMASTER_REQUIRE_CLUSTER", "1")
+    with pytest.raises(pytest.fail.Exception, match="REQUIRE_CLUSTER=1 and no cluster can be built: no sshd"):
+        unavailable("no sshd")
+    monkeypatch.delenv("RINGMASTER_REQUIRE_CLUSTER")
+    with pytest.raises(pytest.skip.Exception, match="no sshd"):
+        unavailable("no sshd")
+
+
+def test_ci_requires_the_cluster():
+    assert "export RINGMASTER_REQUIRE_CLUSTER=1" in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("required,status", [("1", 1), ("", 0)])
+def test_setup_fails_only_where_a_cluster_is_required(tmp_path, required, status):
+    # A machine without apt-get, ssh or ip (as a user without root would be, it cannot install them).
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("bash", "id", "head", "dirname"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    result = subprocess.run([str(tools / "bash"), str(CLUSTER_DIR / "setup.sh")], capture_output=True, text=True,
+                            timeout=20, env={"PATH": str(tools), "RINGMASTER_REQUIRE_CLUSTER": required})
+    assert result.returncode == status, result.stderr
+    assert ("failing" in result.stderr) == (status == 1) and ("will skip" in result.stderr) == (status == 0), \
+        result.stderr
 
 
 def _user_known_hosts() -> bytes:
@@ -92,7 +122,7 @@ def test_cluster_under_a_world_writable_sticky_directory_lets_root_in_everywhere
     try:
         cluster = ncl.NetnsCluster(3, parent_dir=str(parent)).start()
     except ncl.ClusterUnavailable as error:
-        pytest.skip(str(error))
+        unavailable(str(error))
     with cluster:
         assert (Path(cluster.workdir).parent == parent
                 and Path(cluster.key).parent == parent / Path(cluster.workdir).name)
@@ -158,14 +188,14 @@ def _owner_process():
     if not line:
         stderr = process.communicate(timeout=10)[1]
         if "ClusterUnavailable" in stderr:
-            pytest.skip(stderr.strip().splitlines()[-1])
+            unavailable(stderr.strip().splitlines()[-1])
         pytest.fail(f"the cluster owner failed: {stderr}")
     return process, line[0], [int(pid) for pid in line[1:]]
 
 
 @pytest.mark.timeout(30)
 def test_sigterm_to_the_owner_tears_the_cluster_down():
-    ncl.unavailable_reason() and pytest.skip(ncl.unavailable_reason())
+    ncl.unavailable_reason() and unavailable(ncl.unavailable_reason())
     process, name, sshd_pids = _owner_process()
     assert ncl.leftovers(name)
     process.send_signal(signal.SIGTERM)
@@ -176,7 +206,7 @@ def test_sigterm_to_the_owner_tears_the_cluster_down():
 
 @pytest.mark.timeout(30)
 def test_cleanup_stale_removes_what_a_killed_owner_left():
-    ncl.unavailable_reason() and pytest.skip(ncl.unavailable_reason())
+    ncl.unavailable_reason() and unavailable(ncl.unavailable_reason())
     process, name, sshd_pids = _owner_process()
     process.kill()  # no teardown can run
     process.wait(timeout=10)
@@ -212,7 +242,7 @@ def test_rate_caps_each_host_link(netns_cluster_factory):
 def test_delay_adds_latency_to_each_host_link(netns_cluster_factory):
     reason = ncl.unavailable_reason(shaping_delay=True)
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     cluster = netns_cluster_factory(2, delay="5ms", rate="1gbit")
     first, second = cluster.hosts
     # a TCP connect is one round trip across two links, each delayed 5 ms each way

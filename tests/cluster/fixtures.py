@@ -6,7 +6,8 @@
 delay=...)``: clusters of any shape, all torn down after the test (the first use in a process
 also removes what crashed earlier runs left, see ``cleanup_stale``). Both skip the test, with the
 reason, where no cluster can be built here (not root, no ``ip netns``, no sshd, no netem for a
-delay); after a test, whether it passed or failed, nothing of its clusters is left.
+delay), or fail it where ``RINGMASTER_REQUIRE_CLUSTER=1`` (CI); after a test, whether it passed
+or failed, nothing of its clusters is left.
 
 :func:`run_on` runs a command (e.g. ``ringrun``) on a cluster host, bounded in time, and kills
 its process group if it overruns; whatever it started on other hosts goes with the cluster.
@@ -31,6 +32,16 @@ from mpijob import stop_hung_job
 from .netns_cluster import ClusterUnavailable, Host, NetnsCluster, cleanup_stale, unavailable_reason
 
 _STALE_CLEANED = [False]
+#: Set (to 1) where a cluster is required (CI, in .ci/run): then a cluster that cannot be built
+#: fails the test instead of skipping it, as tests/cluster/setup.sh fails.
+REQUIRE = "RINGMASTER_REQUIRE_CLUSTER"
+
+
+def unavailable(reason: str) -> None:
+    """No cluster here: skip the test with ``reason``, or fail it where one is required."""
+    if os.environ.get(REQUIRE) == "1":
+        pytest.fail(f"{REQUIRE}=1 and no cluster can be built: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.fixture
@@ -45,7 +56,7 @@ def netns_cluster_factory():
         try:
             cluster.start()
         except ClusterUnavailable as error:
-            pytest.skip(str(error))
+            unavailable(str(error))
         clusters.append(cluster)
         return cluster
 

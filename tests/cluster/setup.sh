@@ -9,10 +9,32 @@
 # tests then skip with the reason. Nothing is started: openssh-server's postinst would start
 # an sshd in this machine's own network namespace, so a policy-rc.d that forbids starting
 # services is put in place for the install (and removed again if this script created it).
+#
+# With RINGMASTER_REQUIRE_CLUSTER=1 (as CI sets it, in .ci/run) a cluster is required: a
+# failed install exits 1, and so does a machine on which, everything installed, no cluster
+# can be built (`netns_cluster.py check`); the cluster tests then fail instead of skipping.
 set -uo pipefail
 
 say() { echo "tests/cluster/setup.sh: $*" >&2; }
 have() { command -v "$1" >/dev/null 2>&1; }
+required() { [ "${RINGMASTER_REQUIRE_CLUSTER:-}" = 1 ]; }
+# give_up REASON: the cluster tests cannot run here; an error where a cluster is required.
+give_up() {
+    if required; then
+        say "$1; RINGMASTER_REQUIRE_CLUSTER=1: failing"
+        exit 1
+    fi
+    say "$1 (the cluster tests will skip)"
+    exit 0
+}
+# Where a cluster is required, check that one can be built here, now that all is installed.
+check_required() {
+    required || return 0
+    local here python
+    here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+    python=$(command -v python || command -v python3)
+    "$python" "$here/netns_cluster.py" check || give_up "no network-namespace cluster can be built here"
+}
 
 packages=()
 [ -x /usr/sbin/sshd ] || packages+=(openssh-server)
@@ -21,15 +43,14 @@ packages=()
 
 if [ "${#packages[@]}" = 0 ]; then
     say "nothing to install ($(/usr/sbin/sshd -V 2>&1 | head -n1); ip and tc present)"
+    check_required
     exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
-    say "not root; not installing ${packages[*]} (the cluster tests will skip)"
-    exit 0
+    give_up "not root; not installing ${packages[*]}"
 fi
 if ! have apt-get; then
-    say "no apt-get; install ${packages[*]} by hand to run the cluster tests (they will skip)"
-    exit 0
+    give_up "no apt-get; install ${packages[*]} by hand to run the cluster tests"
 fi
 
 policy=/usr/sbin/policy-rc.d
@@ -46,11 +67,10 @@ trap cleanup EXIT
 apt=(apt-get -o APT::Sandbox::User=root -o Dpkg::Use-Pty=0 -q)
 export DEBIAN_FRONTEND=noninteractive
 if ! timeout 120 "${apt[@]}" update >/dev/null; then
-    say "apt-get update failed; not installing ${packages[*]} (the cluster tests will skip)"
-    exit 0
+    give_up "apt-get update failed; not installing ${packages[*]}"
 fi
 if ! timeout 300 "${apt[@]}" install -y --no-install-recommends "${packages[@]}" >/dev/null; then
-    say "apt-get install ${packages[*]} failed (the cluster tests will skip)"
-    exit 0
+    give_up "apt-get install ${packages[*]} failed"
 fi
 say "installed ${packages[*]} ($(/usr/sbin/sshd -V 2>&1 | head -n1))"
+check_required
