@@ -40,8 +40,19 @@ from .staged import StagedTransport
 
 
 #: Allreduces of fewer bytes take the staged path (see the module docstring). Chosen from
-#: ``bench/gpu/collectives.py --small-bytes`` at 2 ranks sharing one H200 (docs/benchmarks.md).
-IPC_MIN_BYTES = 256 << 10
+#: ``bench/gpu/collectives.py --small-bytes 4,4096,65536,262144,1048576`` at 2 ranks sharing
+#: one H200 (2026-11-28; medians of 27 in ms, slowest rank):
+#:
+#:     bytes      staged    ipc
+#:     4          0.327     0.643
+#:     4 KiB      0.353     0.870
+#:     64 KiB     0.101     0.932
+#:     256 KiB    0.184     0.909
+#:     1 MiB      0.440     0.944
+#:     4 MiB      1.679     0.942   (the 4 MiB row of the same run)
+#:
+#: staged grows by about 0.4 ms a MiB and ipc stays near 0.94 ms: they cross near 2 MiB.
+IPC_MIN_BYTES = 2 << 20
 
 
 class IpcTransport(StagedTransport):
