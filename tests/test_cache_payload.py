@@ -1,31 +1,15 @@
-"""The response cache's cycle reduction (``cache_protocol.combine``) on vectors made here, as
-the cycle's MPI allreduce applies it: the header and slot bits reduce with MIN; a payload is
-reduced only where every rank carried the same slot, with MPI's own rule for each reduction.
-Jobs carry no payload for now (``cache_protocol.CARRY_PAYLOADS``); the reduction is kept,
-tested, for a payload in an allreduce of its own."""
-
-import warnings
+"""Small data in the response cache's cycle (``cache_protocol.Payload``): simulated ranks, each a
+``CacheProtocol``, whose vectors reduce with MIN and whose payloads reduce with MPI's rule, as
+the two allreduces of a cycle do; then real jobs, whose cached results must equal the
+negotiated ones bit for bit while cycles carry them."""
 
 import numpy as np
 import pytest
 from mpijob import ringrun
 
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime import cache_protocol
-from ringmaster.worker.runtime.cache_protocol import (MAX_PAYLOAD_BYTES, NO_JOIN, AgreedCycle, CacheProtocol,
-                                                      CycleVector, Hit, Proposal, payload_code, payload_words)
-
-SLOTS = 6
-
-
-def vector(hits, carried=None, events=3, room=32):
-    return CycleVector(queued=0, idle=False, events=events, closing=False, join_round=NO_JOIN, hits=hits,
-                       carried=carried, room=room).encode(SLOTS)
-
-
-def carrying(slot, values, reduce_op):
-    values = np.asarray(values)
-    return slot, payload_code(values.dtype.name, reduce_op), values.view(np.uint8)
+from ringmaster.worker.runtime.cache_protocol import (MIN_PAYLOAD_BYTES, PAYLOAD_SLOTS, CacheProtocol, CycleVector,
+                                                      Hit, Proposal, carriable)
 
 
 def mpi_rule(parts, reduce_op):
@@ -43,106 +27,165 @@ def mpi_rule(parts, reduce_op):
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
-@pytest.mark.parametrize("reduce_op", [pb.SUM, pb.AVERAGE, pb.PRODUCT, pb.MIN, pb.MAX])
-@pytest.mark.parametrize("ranks", [2, 3, 5])
-def test_a_slot_every_rank_carries_is_reduced_in_the_cycle(dtype, reduce_op, ranks):
-    generator = np.random.default_rng(ranks * 100 + reduce_op)
-    parts = [(generator.standard_normal(7) * 20).astype(dtype) for _ in range(ranks)]
-    result = CycleVector.reduce([vector((1, 4), carrying(4, part, reduce_op)) for part in parts])
-    agreed = AgreedCycle.decode(result)
-    assert agreed.ready == [1, 4] and agreed.events_agree
-    slot, reduced = agreed.carried
-    assert slot == 4 and reduced.dtype == np.dtype(dtype)
-    np.testing.assert_array_equal(reduced[:7], mpi_rule(parts, reduce_op))
-
-
-def test_min_and_max_treat_nan_as_mpi_does():
-    parts = [np.array([np.nan, 1.0, 2.0], np.float32), np.array([0.0, np.nan, 3.0], np.float32)]
-    for reduce_op in (pb.MIN, pb.MAX):
-        result = CycleVector.reduce([vector((0,), carrying(0, part, reduce_op)) for part in parts])
-        _, reduced = AgreedCycle.decode(result).carried
-        np.testing.assert_array_equal(reduced[:3], mpi_rule(parts, reduce_op))
-
-
-@pytest.mark.parametrize("other", ["nothing", "another slot", "another dtype"])
-def test_a_payload_not_carried_by_every_rank_is_ignored(other):
-    ones = np.ones(4, np.float32)
-    mine = vector((2, 3), carrying(2, ones, pb.SUM))
-    theirs = {"nothing": vector((2, 3)),
-              "another slot": vector((2, 3), carrying(3, ones, pb.SUM)),
-              "another dtype": vector((2, 3), carrying(2, ones.astype(np.float64), pb.SUM))}[other]
-    for order in ([mine, theirs], [theirs, mine], [mine, mine, theirs], [mine, theirs, mine]):
-        agreed = AgreedCycle.decode(CycleVector.reduce([v.copy() for v in order]))
-        assert agreed.carried is None and agreed.ready == [2, 3]
-
-
-def test_the_header_still_reduces_with_min():
-    result = CycleVector.reduce([vector((0, 5), events=4), vector((5,), events=2)])
-    agreed = AgreedCycle.decode(result)
-    assert agreed.ready == [5] and agreed.events == 2 and not agreed.events_agree and agreed.carried is None
-
-
-def test_what_a_cycle_cannot_carry():
-    assert payload_code("float16", pb.SUM) is None   # MPI reduces it in float32: another rounding
-    assert payload_code("bool", pb.MAX) is None
-    assert payload_code("float32", pb.ADASUM) is None
-
-
-def test_a_large_payload_rides_in_a_vector_with_room_for_it():
-    parts = [np.arange(5000, dtype=np.float32) * (rank + 1) for rank in range(3)]
-    room = payload_words(parts[0].nbytes)
-    assert room * 8 == 32 << 10   # 20,000 bytes: the next power of two
-    result = CycleVector.reduce([vector((2,), carrying(2, part, pb.SUM), room=room) for part in parts])
-    agreed = AgreedCycle.decode(result)
-    assert agreed.ready == [2]
-    np.testing.assert_array_equal(agreed.carried[1][:5000], parts[0] + parts[1] + parts[2])
-
-
-def allreduce_response(name, count, prescale=1.0):
-    response = pb.Response(op_type=pb.ALLREDUCE, reduce_op=pb.SUM, names=[name], dtype="float32", device="cpu",
-                           prescale_factor=prescale, postscale_factor=1.0)
+def allreduce_response(name, count, dtype="float32", reduce_op=pb.SUM, prescale=1.0, device="cpu", compression=""):
+    response = pb.Response(op_type=pb.ALLREDUCE, reduce_op=reduce_op, names=[name], dtype=dtype, device=device,
+                           prescale_factor=prescale, postscale_factor=1.0, compression=compression)
     response.shapes.add().dims.extend([count])
     return response
 
 
 class _Entry:
-    def __init__(self, count):
-        self.tensor = np.ones(count, np.float32)
+    def __init__(self, values):
+        self.tensor = values
         self.handle = object()
 
 
-def test_the_room_follows_what_ran_in_the_last_cycle(monkeypatch):
-    """A slot rides once a cycle ran it (the room is then its size); a cycle that ran only
-    slots a cycle cannot carry (too big, prescaled) gives the room back. (The protocol's
-    rule, with carrying switched on; in jobs it is off: cache_protocol.CARRY_PAYLOADS.)"""
-    monkeypatch.setattr(cache_protocol, "CARRY_PAYLOADS", True)
-    protocol = CacheProtocol(capacity=8)
-    for name, count, prescale in [("mid", 3000, 1.0), ("scaled", 3000, 0.5), ("big", 200_000, 1.0)]:
-        protocol.propose(Proposal.from_response(allreduce_response(name, count, prescale), 0, (name,)))
-    protocol.apply(_agree(protocol), 0.0)
-    payload = lambda hit: hit.entry.tensor.view(np.uint8)  # noqa: E731
+class Job:
+    """Simulated ranks whose cycles run as a job's do (vectors by MIN, payloads by MPI's rule)."""
 
-    def run(name, count):
-        assert protocol.take((name,), Hit(_Entry(count), [], 0.0))
-        sent = protocol.vector(0.0, payload)
-        ready, carried = protocol.apply(CycleVector.reduce([sent]), 0.0)
-        assert [slot.template.names[0] for slot in ready] == [name]
-        return carried is not None
+    def __init__(self, ranks, responses, capacity=16):
+        self.ranks = [CacheProtocol(capacity=capacity, ranks=ranks) for _ in range(ranks)]
+        for protocol in self.ranks:
+            for response in responses:
+                protocol.propose(Proposal.from_response(response, 0, (response.names[0],)))
+        self.cycle()
 
-    assert protocol.payload_room == 32
-    assert not run("mid", 3000)            # 12,000 bytes: no room yet
-    assert protocol.payload_room * 8 == 16 << 10
-    assert run("mid", 3000)                # the next time it rides
-    assert not run("scaled", 3000)         # prescaled: never carried, and the room goes back
-    assert protocol.payload_room == 32
-    assert not run("big", 200_000)
-    assert 200_000 * 4 > MAX_PAYLOAD_BYTES and protocol.payload_room == 32
+    def cycle(self, hits=None):
+        """One cycle; ``hits``: {rank: {name: values}} taken first. Returns each rank's
+        (names that ran, {name: carried data})."""
+        for rank, taken in (hits or {}).items():
+            for name, values in taken.items():
+                assert self.ranks[rank].take((name,), Hit(_Entry(values), [], 0.0))
+        vectors = [protocol.vector(0.0, lambda hit: hit.entry.tensor) for protocol in self.ranks]
+        outgoing = [protocol.outgoing for protocol in self.ranks]
+        reduced = None
+        if outgoing[0] is not None:
+            assert all(part is not None and part.shape == outgoing[0].shape and part.dtype == outgoing[0].dtype
+                       for part in outgoing), "every rank carries the same payload"
+            reduced = mpi_rule(outgoing, self.ranks[0].payload.reduce_op)
+        result = CycleVector.reduce(vectors)
+        results = []
+        for protocol in self.ranks:
+            ready, carried = protocol.apply(result.copy(), 0.0, None if reduced is None else reduced.copy())
+            results.append(([slot.template.names[0] for slot in ready],
+                            {slot.template.names[0]: data for slot, data in carried}))
+        return results
 
 
-def _agree(protocol):
-    """A cycle that applies the queued proposals."""
-    return CycleVector.reduce([protocol.vector(0.0)])
+def values(rank, count, dtype="float32", seed=0):
+    return (np.random.default_rng(seed * 100 + rank).standard_normal(count) * 20).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("reduce_op", [pb.SUM, pb.AVERAGE, pb.PRODUCT, pb.MIN, pb.MAX])
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_a_slot_rides_from_its_second_run_with_mpis_result(dtype, reduce_op, ranks):
+    job = Job(ranks, [allreduce_response("metric", 7, dtype, reduce_op)])
+    parts = [values(rank, 7, dtype) for rank in range(ranks)]
+    hits = {rank: {"metric": parts[rank]} for rank in range(ranks)}
+    first = job.cycle(hits)
+    assert all(ran == ["metric"] and carried == {} for ran, carried in first)  # ran as a transfer
+    second = job.cycle(hits)
+    for ran, carried in second:
+        assert ran == ["metric"]
+        np.testing.assert_array_equal(carried["metric"], mpi_rule(parts, reduce_op))
+
+
+def test_min_and_max_treat_nan_as_mpi_does():
+    parts = [np.array([np.nan, 1.0, 2.0], np.float32), np.array([0.0, np.nan, 3.0], np.float32)]
+    for reduce_op in (pb.MIN, pb.MAX):
+        job = Job(2, [allreduce_response("m", 3, reduce_op=reduce_op)])
+        hits = {rank: {"m": parts[rank]} for rank in range(2)}
+        job.cycle(hits)
+        for _, carried in job.cycle(hits):
+            np.testing.assert_array_equal(carried["m"], mpi_rule(parts, reduce_op))
+
+
+def test_metrics_logged_in_turn_ride_together():
+    """loss, then accuracy, then loss again: once both ran, each rides in every cycle."""
+    job = Job(2, [allreduce_response("loss", 1), allreduce_response("accuracy", 1)])
+    loss = {rank: {"loss": np.array([rank + 1.0], np.float32)} for rank in range(2)}
+    accuracy = {rank: {"accuracy": np.array([10.0 * rank], np.float32)} for rank in range(2)}
+    job.cycle(loss)
+    job.cycle(accuracy)
+    for _ in range(3):
+        for hits, name, total in ((loss, "loss", 3.0), (accuracy, "accuracy", 10.0)):
+            for ran, carried in job.cycle(hits):
+                assert ran == [name] and carried[name].tolist() == [total]
+
+
+def test_a_payload_slot_pending_on_some_ranks_only_is_not_carried():
+    job = Job(3, [allreduce_response("a", 4), allreduce_response("b", 4)])
+    a = {rank: {"a": values(rank, 4)} for rank in range(3)}
+    job.cycle(a)
+    # Rank 2 is late with "a" and submits "b" first: "a" is not ready, and nothing is carried.
+    mixed = {0: {"a": values(0, 4)}, 1: {"a": values(1, 4)}, 2: {"b": values(2, 4)}}
+    assert all(ran == [] and carried == {} for ran, carried in job.cycle(mixed))
+    # Then every rank has both: both ready, "a" carried with every rank's data.
+    late = {0: {"b": values(0, 4)}, 1: {"b": values(1, 4)}, 2: {"a": values(2, 4, seed=1)}}
+    for ran, carried in job.cycle(late):
+        assert ran == ["a", "b"]
+        np.testing.assert_array_equal(carried["a"], values(0, 4) + values(1, 4) + values(2, 4, seed=1))
+
+
+@pytest.mark.parametrize("response, why", [
+    (allreduce_response("half", 4, dtype="float16"), "MPI reduces it in float32: another rounding"),
+    (allreduce_response("flags", 4, dtype="bool", reduce_op=pb.MAX), "bool"),
+    (allreduce_response("adasum", 4, reduce_op=pb.ADASUM), "Adasum is no MPI op"),
+    (allreduce_response("scaled", 4, prescale=0.5), "prescaled before the transfer"),
+    (allreduce_response("wire", 4, compression="int8"), "8-bit wire format"),
+    (allreduce_response("device", 4, device="cuda"), "device memory"),
+    (allreduce_response("big", 20_000), "over 64 KiB"),
+])
+def test_what_a_cycle_never_carries(response, why):
+    job = Job(2, [response])
+    assert not job.ranks[0].table.slots[0].carriable, why
+    assert job.ranks[0].payload is None
+
+
+def test_what_may_ride():
+    assert carriable("float32", pb.AVERAGE) and carriable("int64", pb.MIN)
+    assert not carriable("float16", pb.SUM) and not carriable("float32", pb.ADASUM)
+
+
+def test_floats_on_more_than_two_ranks_ride_only_up_to_mpis_small_message_size():
+    """The payload's bytes, not each slot's, decide MPI's algorithm, so they stay small."""
+    count = MIN_PAYLOAD_BYTES // 4 // 2  # two slots fill the room
+    names = ["x", "y", "z"]
+    job = Job(3, [allreduce_response(name, count) for name in names])
+    for name in names:
+        job.cycle({rank: {name: values(rank, count)} for rank in range(3)})
+    payload = job.ranks[0].payload
+    assert sum(payload.counts) * 4 <= MIN_PAYLOAD_BYTES and payload.slots == (2, 1)  # the latest two
+    ints = Job(3, [allreduce_response(f"i{n}", 1000, dtype="int32") for n in range(3)])
+    for n in range(3):
+        ints.cycle({rank: {f"i{n}": values(rank, 1000, "int32")} for rank in range(3)})
+    assert len(ints.ranks[0].payload.slots) == 3  # integers reduce exactly in any order: up to 64 KiB
+
+
+def test_a_payload_holds_one_dtype_and_reduction_and_at_most_its_slot_count():
+    responses = [allreduce_response(f"s{n}", 1) for n in range(PAYLOAD_SLOTS + 2)]
+    responses.append(allreduce_response("ints", 1, dtype="int64"))
+    job = Job(2, responses, capacity=32)
+    for response in responses:
+        name = response.names[0]
+        dtype = "int64" if name == "ints" else "float32"
+        job.cycle({rank: {name: values(rank, 1, dtype)} for rank in range(2)})
+    assert job.ranks[0].payload.slots == (PAYLOAD_SLOTS + 2,) and job.ranks[0].payload.dtype == np.int64
+    job.cycle({rank: {"s0": values(rank, 1)} for rank in range(2)})
+    payload = job.ranks[0].payload
+    assert payload.dtype == np.float32 and len(payload.slots) == PAYLOAD_SLOTS and payload.slots[0] == 0
+
+
+def test_an_evicted_slot_leaves_the_payload():
+    job = Job(2, [allreduce_response("a", 1), allreduce_response("b", 1)], capacity=2)
+    for name in ("a", "b"):
+        job.cycle({rank: {name: values(rank, 1)} for rank in range(2)})
+    assert set(job.ranks[0].payload.slots) == {0, 1}
+    for protocol in job.ranks:  # a third collective takes the least recently run slot, "a"'s
+        protocol.propose(Proposal.from_response(allreduce_response("c", 1, dtype="int32"), 0, ("c",)))
+    job.cycle()
+    assert job.ranks[0].payload.slots == (1,)
 
 
 CARRIED_BITS = """
@@ -156,7 +199,8 @@ CARRIED_BITS = """
                 generator = torch.Generator().manual_seed(1000 * rm.rank() + count)
                 x = (torch.randn(count, generator=generator, dtype=torch.float64) * 1e3).to(dtype)
                 name = f"bits.{count}.{dtype}.{op}"
-                results = [rm.allreduce(x, op=op, name=name) for _ in range(4)]  # negotiated, then cached
+                # negotiated, then cached: run as a transfer once, then carried by the cycles
+                results = [rm.allreduce(x, op=op, name=name) for _ in range(4)]
                 if not all(torch.equal(result, results[0]) for result in results[1:]):
                     failures += 1
                     print(f"FAIL rank {rm.rank()}: {name} differs once cached", flush=True)
@@ -165,27 +209,14 @@ CARRIED_BITS = """
 """
 
 
-def test_jobs_carry_no_payload_while_it_needs_an_mpi_op_written_in_python():
-    """Such an op runs inside MPI's progress and needs the GIL there: it hung an 8-rank job."""
-    assert not cache_protocol.CARRY_PAYLOADS and CacheProtocol(capacity=8).payload_room == 0
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("np", [2, 5])
-def test_cached_results_equal_mpis_bit_for_bit(np):
+def test_carried_results_equal_negotiated_ones_bit_for_bit(np):
     """Every dtype, reduction and size, negotiated once then cached three times: the same bits
-    each time, at 2 and 5 ranks (no cycle carries data: carried=0)."""
+    each time, at 2 and 5 ranks, with cycles carrying the small ones."""
     result = ringrun(np, CARRIED_BITS, timeout=140)
     failures = [line for line in result.output.splitlines() if line.startswith("FAIL")]
     assert not failures, "\n".join(failures[:20])
     done = result.lines_starting("DONE")
     assert len(done) == np and all(" 0 failures" in line for line in done), result.output[-3000:]
-    assert all(int(line.split("carried=")[1]) == 0 for line in done), done
-
-
-def test_an_overflowing_payload_gives_inf_without_a_warning():
-    parts = [np.full(3, 3e38, np.float32), np.full(3, 3e38, np.float32)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")   # a warning inside the MPI op would end the process
-        result = CycleVector.reduce([vector((0,), carrying(0, part, pb.SUM)) for part in parts])
-    assert np.isinf(AgreedCycle.decode(result).carried[1][:3]).all()
+    assert all(int(line.split("carried=")[1]) > 0 for line in done), done

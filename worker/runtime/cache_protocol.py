@@ -1,8 +1,8 @@
 """The response cache's cycle protocol: one rank's state machine, with no threads, MPI or clock.
 
 The cache (``response_cache.py``) runs *cycles*: each is one MPI allreduce (:func:`combine`:
-``MIN``, and the data of a small hit every rank carries) of a :class:`CycleVector` from every
-rank, and every rank gets the same :class:`AgreedCycle`.
+``MIN``) of a :class:`CycleVector` from every rank, and every rank gets the same
+:class:`AgreedCycle`; beside it, the data of a small slot that may ride (:class:`Payload`).
 This module holds everything a rank decides, as functions of what it is told; the caller
 passes the time in, runs the allreduce and the ready collectives, and sends withdrawn hits
 to the coordinator. The schedule explorer (``tests/test_cache_schedules.py``) runs the same
@@ -91,62 +91,53 @@ class Step(enum.Enum):
 NO_JOIN = 1 << 62
 
 
-#: The data a cycle carries. A rank whose only pending hit is a small allreduce puts its data
-#: in the cycle's vector: when every rank carries the same slot, the cycle's own allreduce
-#: reduces it and the slot needs no second round trip (:func:`combine`). The payload's room
-#: (:attr:`CacheProtocol.payload_room`) is a power of two of at least MIN_PAYLOAD_BYTES,
-#: decided from agreed results, so the same on every rank at every cycle.
-MIN_PAYLOAD_BYTES = 256
+#: The data a cycle carries. The small slots that ran most recently (agreed: the same on
+#: every rank at every cycle) make the next cycle's *payload* (:class:`Payload`): each rank
+#: starts a second allreduce beside the cycle's vector, with MPI's built-in op for the
+#: slots' reduction, of their data where their hits are pending here (zeros otherwise).
+#: Where a payload's slot is ready everywhere (every rank had its hit pending, so every
+#: rank sent its data), its part of that reduction is its result, and it needs no transfer
+#: of its own: a synchronous ``rm.allreduce`` of a metric in a loop, or of a few metrics in
+#: turn, makes one round trip, not two. Otherwise the part is ignored. Nothing in MPI waits
+#: for Python (an MPI op written in Python once did, and an 8-rank job whose thread held the
+#: GIL in another MPI call hung).
 MAX_PAYLOAD_BYTES = 64 << 10
+#: Floating-point payloads on more than 2 ranks: see :func:`carriable_bytes`.
+MIN_PAYLOAD_BYTES = 256
+#: The most slots one payload carries (metrics logged each step are a handful).
+PAYLOAD_SLOTS = 8
 
-#: Off: no cycle carries data, and the cycle's allreduce is MPI's own MIN. Reducing a payload
-#: takes an MPI op written in Python, which MPI calls from inside its progress engine, and
-#: which needs the GIL there: a rank whose thread held the GIL while waiting in another MPI
-#: call (a pickle-based mpi4py collective between steps) then hung for good, every rank's
-#: cache thread in the cycle and no heartbeat for 61 s (tests/test_response_cache.py, 8
-#: ranks, 2026-11-27). What would bring it back without the hazard: the payload in an
-#: allreduce of its own with MPI's built-in op, started with the cycle's and typed by the
-#: last agreed cycle, so that nothing in MPI waits for Python.
-CARRY_PAYLOADS = False
-
-
-def payload_words(nbytes: int) -> int:
-    """The payload's room, in int64 words, for a slot of ``nbytes``."""
-    return max(MIN_PAYLOAD_BYTES, 1 << max(0, nbytes - 1).bit_length()) // 8
-
-
-#: What a payload may hold: its dtype and reduction are part of its key, so that
-#: :func:`combine` needs nothing but the two vectors. MIN and MAX keep MPI's rule
-#: ``out = op(out, in)`` with a plain comparison, so a NaN reduces as MPI's built-in ops reduce it.
+#: What a payload may hold: its dtype, and the reduction it is carried for.
 PAYLOAD_DTYPES = ("float32", "float64", "int32", "int64")
-_PAYLOAD_OPS = {
-    pb.SUM: lambda incoming, inout: np.add(inout, incoming, out=inout),
-    pb.AVERAGE: lambda incoming, inout: np.add(inout, incoming, out=inout),  # divided after the cycle
-    pb.PRODUCT: lambda incoming, inout: np.multiply(inout, incoming, out=inout),
-    pb.MIN: lambda incoming, inout: np.copyto(inout, incoming, where=~(inout < incoming)),
-    pb.MAX: lambda incoming, inout: np.copyto(inout, incoming, where=~(inout > incoming)),
-}
-_PAYLOAD_REDUCTIONS = [(np.dtype(dtype), op, reduce) for dtype in PAYLOAD_DTYPES for op, reduce in _PAYLOAD_OPS.items()]
-_PAYLOAD_CODES = {(dtype.name, op): code for code, (dtype, op, _) in enumerate(_PAYLOAD_REDUCTIONS)}
-_NO_PAYLOAD = -1
+PAYLOAD_REDUCTIONS = (pb.SUM, pb.AVERAGE, pb.PRODUCT, pb.MIN, pb.MAX)  # AVERAGE: summed, divided after
 
 
-def payload_code(dtype: str, reduce_op: int) -> Optional[int]:
-    """The code of a payload of ``dtype`` reduced with ``reduce_op``, or None if a cycle cannot carry it."""
-    return _PAYLOAD_CODES.get((dtype, reduce_op))
+class Payload(NamedTuple):
+    """What a cycle carries: ``slots``' data, ``counts`` elements each, of ``dtype``, reduced with ``reduce_op``."""
+
+    slots: Tuple[int, ...]
+    counts: Tuple[int, ...]
+    dtype: np.dtype
+    reduce_op: int
+
+    def parts(self, data: np.ndarray) -> List[Tuple[int, np.ndarray]]:
+        """(slot, its part of ``data``) for each slot, in the payload's order."""
+        edges = np.cumsum((0,) + self.counts).tolist()
+        return [(slot, data[start:stop]) for slot, start, stop in zip(self.slots, edges, edges[1:])]
 
 
-#: The vector's layout: the header's fields, then the payload's words, then a bit per slot.
-#: Events go as +events and -events (MIN of both: min and max); so does the payload's key
-#: (slot * number of codes + code): the payload is reduced only where both keys are equal.
-#: The header's last field is the payload's room in words (equal on every rank).
-HEADER = 9
-PAYLOAD_KEY = 6
-ROOM = 8
+def carriable(dtype: str, reduce_op: int) -> bool:
+    """Whether a cycle may carry an allreduce of ``dtype`` with ``reduce_op``."""
+    return dtype in PAYLOAD_DTYPES and reduce_op in PAYLOAD_REDUCTIONS
+
+
+#: The vector's layout: the header's fields, then a bit per slot. Events go as +events and
+#: -events (MIN of both: min and max).
+HEADER = 6
 
 
 class CycleVector(NamedTuple):
-    """What one rank puts into a cycle's allreduce (:func:`combine`: ``MIN``, and the payload reduced)."""
+    """What one rank puts into a cycle's allreduce (``MIN`` of every element: :func:`combine`)."""
 
     queued: int          # proposals queued here and not applied yet
     idle: bool           # nothing to do here for DORMANT_AFTER_S
@@ -154,21 +145,12 @@ class CycleVector(NamedTuple):
     closing: bool        # this rank's cache is to stop
     join_round: int      # joins completed here, if this rank joined; else NO_JOIN
     hits: Tuple[int, ...]  # slots with a hit pending here
-    carried: Optional[Tuple[int, int, np.ndarray]] = None  # (slot, payload code, its bytes) or None
-    room: int = MIN_PAYLOAD_BYTES // 8  # the payload's words (CacheProtocol.payload_room)
 
     def encode(self, slot_count: int) -> np.ndarray:
-        bits = HEADER + self.room
-        vector = np.zeros(bits + slot_count, dtype=np.int64)
-        key = _NO_PAYLOAD
-        if self.carried is not None:
-            slot, code, data = self.carried
-            key = slot * len(_PAYLOAD_REDUCTIONS) + code
-            vector[HEADER:bits].view(np.uint8)[:data.nbytes] = data
-        vector[:HEADER] = (self.queued, self.idle, self.events, -self.events, self.closing, self.join_round,
-                           key, -key, self.room)
+        vector = np.zeros(HEADER + slot_count, dtype=np.int64)
+        vector[:HEADER] = (self.queued, self.idle, self.events, -self.events, self.closing, self.join_round)
         for slot in self.hits:
-            vector[bits + slot] = 1
+            vector[HEADER + slot] = 1
         return vector
 
     @staticmethod
@@ -181,19 +163,8 @@ class CycleVector(NamedTuple):
 
 
 def combine(incoming: np.ndarray, inout: np.ndarray) -> None:
-    """The cycle's reduction, ``inout = incoming (+) inout``: ``MIN`` of every field and slot bit;
-    the payloads reduced by their code where both vectors carry the same one (otherwise the
-    keys' min and max differ from here on, and the result's payload is ignored)."""
-    bits = HEADER + int(inout[ROOM])
-    carried = inout[PAYLOAD_KEY]
-    if carried >= 0 and carried == incoming[PAYLOAD_KEY] == -incoming[PAYLOAD_KEY + 1] == -inout[PAYLOAD_KEY + 1]:
-        dtype, _, reduce = _PAYLOAD_REDUCTIONS[carried % len(_PAYLOAD_REDUCTIONS)]
-        # Overflow to inf is a result, as in MPI's own sum, not a warning (which an MPI op must
-        # not raise: with warnings turned into errors it would end the process).
-        with np.errstate(all="ignore"):
-            reduce(incoming[HEADER:bits].view(dtype), inout[HEADER:bits].view(dtype))
-    np.minimum(incoming[:HEADER], inout[:HEADER], out=inout[:HEADER])
-    np.minimum(incoming[bits:], inout[bits:], out=inout[bits:])
+    """The cycle's reduction, ``inout = MIN(incoming, inout)`` (MPI's own ``MIN`` in jobs)."""
+    np.minimum(incoming, inout, out=inout)
 
 
 class AgreedCycle(NamedTuple):
@@ -206,19 +177,12 @@ class AgreedCycle(NamedTuple):
     all_closing: bool
     join_round: int        # the lowest round a rank joined in, or NO_JOIN
     ready: List[int]       # slots with a hit on every rank, in slot order
-    carried: Optional[Tuple[int, np.ndarray]]  # (slot, its reduced payload as its dtype): every rank carried it
 
     @classmethod
     def decode(cls, result: np.ndarray) -> "AgreedCycle":
-        queued, idle, events, minus_max_events, closing, join_round, key, minus_max_key, room = \
-            result[:HEADER].tolist()
-        bits = HEADER + room
-        carried = None
-        if 0 <= key == -minus_max_key:
-            slot, code = divmod(key, len(_PAYLOAD_REDUCTIONS))
-            carried = slot, result[HEADER:bits].view(_PAYLOAD_REDUCTIONS[code][0])
+        queued, idle, events, minus_max_events, closing, join_round = result[:HEADER].tolist()
         return cls(queued, bool(idle), events == -minus_max_events, events, bool(closing), join_round,
-                   result[bits:].nonzero()[0].tolist(), carried)
+                   result[HEADER:].nonzero()[0].tolist())
 
 
 @dataclasses.dataclass
@@ -231,8 +195,7 @@ class Slot:
     last_run: int = 0              # cycle of its last run (eviction: least recent first)
     nbytes: int = 0
     fuse_key: Optional[tuple] = None  # slots with equal keys may run as one fused allreduce
-    payload_code: Optional[int] = None  # a cycle may carry its data (see combine), with this code
-    room: int = 0                       # the payload words that needs (0: never carried)
+    carriable: bool = False           # a cycle may carry its data (see Payload)
 
 
 @dataclasses.dataclass
@@ -331,15 +294,14 @@ def carriable_bytes(dtype: str, ranks: int) -> int:
 def _new_slot(proposal: Proposal, cycle: int, ranks: int) -> Slot:
     template = proposal.template
     nbytes = math.prod(tuple(template.shapes[0].dims)) * SUPPORTED_DTYPES[template.dtype].itemsize
-    fuse_key = payload = None
+    fuse_key, can_carry = None, False
     if template.op_type == pb.ALLREDUCE:
         fuse_key = (template.dtype, template.reduce_op, template.prescale_factor, template.postscale_factor,
                     template.compression)
-        if (nbytes <= carriable_bytes(template.dtype, ranks) and not template.compression
-                and template.prescale_factor == 1.0 and template.device == "cpu"):
-            payload = payload_code(template.dtype, template.reduce_op)
-    return Slot(template, proposal.signature, None, cycle, nbytes, fuse_key, payload,
-                0 if payload is None else payload_words(nbytes))
+        can_carry = (0 < nbytes <= carriable_bytes(template.dtype, ranks) and not template.compression
+                     and template.prescale_factor == 1.0 and template.device == "cpu"
+                     and carriable(template.dtype, template.reduce_op))
+    return Slot(template, proposal.signature, None, cycle, nbytes, fuse_key, can_carry)
 
 
 class CacheProtocol:
@@ -376,11 +338,14 @@ class CacheProtocol:
         self.last_activity = 0.0
         self.wake_sent = False
         self.withdrawn: List[Hit] = []
-        #: The payload's room in the next cycle's vector, in words: enough for the largest
-        #: carriable slot that ran in the last cycle that ran any (agreed: the same everywhere).
+        #: What the next cycle carries (agreed: the same everywhere): the carriable slots that
+        #: ran most recently, of the dtype and reduction of the latest (:meth:`_next_payload`).
         #: A slot run again and again, as a synchronous allreduce in a loop is, rides from its
-        #: second run on; cycles after others pay for no room they do not use.
-        self.payload_room = payload_words(0) if CARRY_PAYLOADS else 0
+        #: second run on.
+        self.payload: Optional[Payload] = None
+        self._recent: List[int] = []  # carriable slots, the most recently run first (agreed)
+        #: This cycle's payload data (made with the vector; None: the cycle carries none).
+        self.outgoing: Optional[np.ndarray] = None
 
     # ------------------------------------------------------------ local input
     def take(self, key: tuple, hit: Hit) -> bool:
@@ -489,47 +454,56 @@ class CacheProtocol:
         return False
 
     # ------------------------------------------------------------------ cycles
-    def vector(self, now: float, payload: Optional[Callable[[Hit], np.ndarray]] = None) -> np.ndarray:
+    def vector(self, now: float, data: Optional[Callable[[Hit], np.ndarray]] = None) -> np.ndarray:
         """This rank's part of the next cycle (stale hits are withdrawn first).
 
-        ``payload(hit)``: the bytes of a hit's data; when exactly one hit is pending here and
-        its slot allows it, the cycle carries them (see :func:`combine`).
+        With a :attr:`payload` and ``data(hit)`` (a hit's data as a flat array), also sets
+        :attr:`outgoing`: the payload's data from here, which the caller reduces beside the
+        vector (zeros if the payload's slot has no hit here; its result is then ignored).
         """
         self._withdraw_stale(now)
         busy = self.has_hits() or self.queued or (self.join_requested and self.phase is not Phase.SUSPENDED)
-        carried = None
-        if CARRY_PAYLOADS and payload is not None and len(self.pending) == 1:
-            (number, hit), = self.pending.items()
-            slot = self.table.slots[number]
-            if slot.payload_code is not None and slot.room <= self.payload_room:
-                carried = (number, slot.payload_code, payload(hit))
+        self.outgoing = None
+        payload = self.payload
+        if payload is not None and data is not None:
+            hits = [self.pending.get(slot) for slot in payload.slots]
+            if len(hits) == 1 and hits[0] is not None:
+                self.outgoing = data(hits[0])
+            else:
+                self.outgoing = np.zeros(sum(payload.counts), payload.dtype)
+                for hit, (_, part) in zip(hits, payload.parts(self.outgoing)):
+                    if hit is not None:
+                        part[:] = data(hit)
         return CycleVector(
             queued=len(self.queued), idle=not busy and now - self.last_activity >= self.dormant_after_s,
             events=self.events, closing=self.closing,
             join_round=self.joins_completed if self.join_requested else NO_JOIN,
-            hits=tuple(self.pending), carried=carried, room=self.payload_room).encode(len(self.table))
+            hits=tuple(self.pending)).encode(len(self.table))
 
-    def apply(self, result: np.ndarray, now: float) -> Tuple[List[Slot], Optional[Tuple[Slot, np.ndarray]]]:
+    def apply(self, result: np.ndarray, now: float, reduced: Optional[np.ndarray] = None
+              ) -> Tuple[List[Slot], List[Tuple[Slot, np.ndarray]]]:
         """Act on a cycle's result as every rank does.
 
-        Returns the slots to run, in slot order, and (slot, reduced data) of the one among
-        them that the cycle carried (it needs no transfer), or None.
+        ``reduced``: the result of the payload's allreduce, if this cycle carried one.
+        Returns the slots to run, in slot order, and (slot, reduced data) of those among them
+        that the cycle carried (they need no transfer).
         """
         agreed = AgreedCycle.decode(result)
         self.cycles_done += 1
         for number in agreed.ready:
             del self.pending[number]
         ready = [self.table.slots[number] for number in agreed.ready]
-        carried = None
-        if agreed.carried is not None:  # a carried slot is ready: every rank had its hit pending
-            number, reduced = agreed.carried
-            carried = (self.table.slots[number], reduced)
+        carried = []
+        if reduced is not None and self.payload is not None:
+            # A slot ready everywhere had its hit pending on every rank, which sent its data.
+            carried = [(self.table.slots[slot], part) for slot, part in self.payload.parts(reduced)
+                       if slot in agreed.ready]
         for slot in ready:
             slot.last_run = self.cycles_done
         if ready:
             self.last_activity = now
-            if CARRY_PAYLOADS:
-                self.payload_room = max(max(slot.room for slot in ready), MIN_PAYLOAD_BYTES // 8)
+            ran = [number for number in agreed.ready if self.table.slots[number].carriable]
+            self._recent = ran + [number for number in self._recent if number not in ran]
         # A join round that has already ended here (its JOIN response came first) is no reason.
         if agreed.join_round == self.joins_completed and self.phase is Phase.AWAKE:
             self.phase = Phase.SUSPENDED
@@ -545,7 +519,30 @@ class CacheProtocol:
             self.dormant_events = agreed.events
             if self.events > self.dormant_events:  # the waking event came here during the cycle
                 self.phase = self._slept_in
+        self.payload = self._next_payload()
         return ready, carried
+
+    def _next_payload(self) -> Optional[Payload]:
+        """The carriable slots that ran most recently, of the latest one's dtype and reduction,
+        as many as :data:`PAYLOAD_SLOTS` and the bytes a cycle may carry allow."""
+        if not self._recent:
+            return None
+        latest = self.table.slots[self._recent[0]].template
+        dtype, reduce_op = np.dtype(latest.dtype), latest.reduce_op
+        room = carriable_bytes(latest.dtype, self.table.ranks)
+        slots, counts, used = [], [], 0
+        for number in self._recent:
+            slot = self.table.slots[number]
+            if slot.template.dtype != latest.dtype or slot.template.reduce_op != reduce_op:
+                continue
+            if used + slot.nbytes > room:
+                break
+            slots.append(number)
+            counts.append(slot.nbytes // dtype.itemsize)
+            used += slot.nbytes
+            if len(slots) == PAYLOAD_SLOTS:
+                break
+        return Payload(tuple(slots), tuple(counts), dtype, reduce_op)
 
     def _apply_proposal(self, proposal: Proposal) -> None:
         key = proposal.key
@@ -554,6 +551,8 @@ class CacheProtocol:
             if not self._queued_keys[key]:
                 del self._queued_keys[key]
         number, evicted = self.table.insert(proposal, self.cycles_done)
+        if evicted is not None and evicted in self._recent:
+            self._recent.remove(evicted)
         if evicted is not None and evicted in self.pending:
             self.withdrawn.append(self.pending.pop(evicted))
         for hit in self.waiting.pop(key, []) if key is not None else ():

@@ -8,8 +8,7 @@ the slot's bit; the frontend does not even build the request message. A thread o
 communicator of its own, runs
 *cycles*: each cycle is one small MPI allreduce (``MIN``) of a vector of integers
 
-    [candidates queued, idle, events seen, -events seen, closing, join round,
-     payload key, -payload key, payload room, payload (256 bytes to 64 KiB), bit per slot]
+    [candidates queued, idle, events seen, -events seen, closing, join round, bit per slot]
 
 and every rank gets the same result, so every rank knows the same things at the same cycle:
 
@@ -25,13 +24,16 @@ and every rank gets the same result, so every rank knows the same things at the 
   pending on an evicted slot is *withdrawn*: its request goes to the coordinator.
   A hit on a name whose proposal is queued but not applied yet waits for it (it would
   otherwise reach the coordinator while the other ranks' hits wait here).
-- **small data, in the cycle itself.** A rank whose only pending hit is a small CPU
-  allreduce (float32/64 or int32/64, no prescaling or wire format, up to the payload's room:
-  ``cache_protocol.carriable_bytes`` and ``CacheProtocol.payload_room``) puts its data in the
-  payload. Where every rank carried the same slot, the cycle's reduction
-  (``cache_protocol.combine``, an MPI op of ours) reduced the data too, with MPI's own rule,
-  and the slot completes with no transfer of its own: a synchronous ``rm.allreduce`` of a
-  metric makes one round trip between the ranks, not two. Otherwise the payload is ignored.
+- **small data, in the cycle itself.** The slot that ran alone in the last cycle that ran
+  any, if it is a small CPU allreduce (float32/64 or int32/64, no prescaling or wire format,
+  up to ``cache_protocol.carriable_bytes``), is the next cycle's *payload*: every rank starts
+  a second allreduce beside the vector's, with MPI's built-in op, of that slot's data where
+  its hit is pending (zeros elsewhere). Where the slot is ready everywhere, that result is
+  the slot's, and the slot completes with no transfer of its own: a synchronous
+  ``rm.allreduce`` of a metric in a loop makes one round trip between the ranks, not two.
+  Otherwise the payload's result is ignored. (A payload inside the vector, reduced by an MPI
+  op written in Python, needed the GIL inside MPI's progress engine and hung an 8-rank job
+  whose thread held the GIL in another MPI call; built-in ops need nothing from Python.)
 - **when to sleep.** Cycles run every ``cycle_time`` while some rank has cached work, at
   once when a rank waits on a hit (flush). When every rank has been idle for
   :data:`DORMANT_AFTER_S` and has seen the same number of *events* (proposals, and the
@@ -65,7 +67,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -73,8 +75,7 @@ from mpi4py import MPI
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
-from ringmaster.worker.runtime.cache_protocol import (ROOM, WITHDRAW_AFTER_S, CacheProtocol, Hit, Phase, Proposal,
-                                                      Slot, Step, combine)
+from ringmaster.worker.runtime.cache_protocol import WITHDRAW_AFTER_S, CacheProtocol, Hit, Phase, Proposal, Slot, Step
 from ringmaster.worker.runtime.errors import RingmasterError
 
 log = logging.getLogger("ringmaster.worker")
@@ -87,22 +88,6 @@ IDLE_CYCLE_S = 0.01
 IDLE_TEST_PAUSE_S = 200e-6
 
 
-def _reduce_cycles(incoming, inout, datatype) -> None:
-    """The cycle's MPI reduction, over each element of its contiguous datatype (a whole vector).
-
-    MPI may call it for no element at all (some algorithms split the message's elements among
-    the ranks, and one element leaves some with none). It must never raise: an exception in
-    an MPI op ends the process.
-    """
-    words = datatype.Get_size() // 8
-    incoming, inout = np.frombuffer(incoming, dtype=np.int64), np.frombuffer(inout, dtype=np.int64)
-    for start in range(0, inout.size - words + 1, words):
-        combine(incoming[start:start + words], inout[start:start + words])
-
-
-_CYCLE_OP: Optional[MPI.Op] = None
-_VECTOR_TYPES: Dict[int, MPI.Datatype] = {}
-
 #: Cycles given up because a rank left, with their buffers: MPI still owns them. Open MPI's
 #: nonblocking collectives (libnbc) go on progressing such a request, at MPI_Finalize at the
 #: latest, and write its result; freed with the request, the buffers were reused by malloc and
@@ -112,24 +97,26 @@ _VECTOR_TYPES: Dict[int, MPI.Datatype] = {}
 _ABANDONED_CYCLES: List[tuple] = []
 
 
-def _start_cycle(comm, vector: np.ndarray, result: np.ndarray) -> MPI.Request:
-    """Start the cycle's allreduce of ``vector`` into ``result``. Without a payload it is MPI's
-    own MIN (cache_protocol.CARRY_PAYLOADS says why); with one, the vector is one element of a
-    contiguous datatype, so that MPI never splits it between calls of the op."""
-    if vector[ROOM] == 0:
-        return comm.Iallreduce(vector, result, op=MPI.MIN)
-    global _CYCLE_OP
-    if _CYCLE_OP is None:
-        _CYCLE_OP = MPI.Op.Create(_reduce_cycles, commute=True)
-    datatype = _VECTOR_TYPES.get(vector.size)
-    if datatype is None:
-        datatype = _VECTOR_TYPES[vector.size] = MPI.INT64_T.Create_contiguous(vector.size).Commit()
-    return comm.Iallreduce([vector, 1, datatype], [result, 1, datatype], op=_CYCLE_OP)
+#: MPI's built-in op for a payload's reduction (Average is summed, then divided).
+_PAYLOAD_OPS = {pb.SUM: MPI.SUM, pb.AVERAGE: MPI.SUM, pb.PRODUCT: MPI.PROD, pb.MIN: MPI.MIN, pb.MAX: MPI.MAX}
 
 
-def _payload(hit: Hit) -> np.ndarray:
-    """The bytes a cycle carries for ``hit`` (its slot allows it: a small CPU allreduce)."""
-    return hit.entry.tensor.numpy().reshape(-1).view(np.uint8)
+def _start_cycle(comm, vector: np.ndarray, result: np.ndarray, outgoing: Optional[np.ndarray],
+                 reduce_op: int) -> Tuple[List[MPI.Request], Optional[np.ndarray]]:
+    """Start the cycle's allreduce (MPI's ``MIN`` of the vectors into ``result``) and, if the
+    cycle carries a payload, the payload's (MPI's op for ``reduce_op``); returns the requests,
+    in the order every rank started them, and the payload's result buffer."""
+    requests = [comm.Iallreduce(vector, result, op=MPI.MIN)]
+    reduced = None
+    if outgoing is not None:
+        reduced = np.empty_like(outgoing)
+        requests.append(comm.Iallreduce(outgoing, reduced, op=_PAYLOAD_OPS[reduce_op]))
+    return requests, reduced
+
+
+def _data(hit: Hit) -> np.ndarray:
+    """A hit's data as a cycle carries it (its slot allows it: a small CPU allreduce)."""
+    return hit.entry.tensor.numpy().reshape(-1)
 
 
 class _Ran:
@@ -397,23 +384,27 @@ class ResponseCache:
         with self._lock:
             if not self.protocol.phase.cycles:
                 return False
-            vector = self.protocol.vector(time.monotonic(), _payload)
+            vector = self.protocol.vector(time.monotonic(), _data)
+            outgoing, payload = self.protocol.outgoing, self.protocol.payload
             self._send_withdrawn()
             if needed is not None and not needed():
                 return False  # the vector is dropped: what it withdrew stays withdrawn
         result = np.empty(vector.size, dtype=np.int64)  # (empty_like's dispatch costs 1 us more)
         self._in_cycle_since = time.monotonic()
-        request, completed = _start_cycle(self.comm, vector, result), False
+        requests, reduced = _start_cycle(self.comm, vector, result, outgoing,
+                                         payload.reduce_op if payload is not None else pb.SUM)
+        completed = False
         try:
-            completed = self._wait(request, urgent)
+            # Every rank started both: once the vector's is complete, the payload's completes too.
+            completed = all(self._wait(request, urgent) for request in requests)
         finally:
             self._in_cycle_since = None
             if not completed:
-                _ABANDONED_CYCLES.append((request, vector, result))
+                _ABANDONED_CYCLES.append((requests, vector, result, outgoing, reduced))
         with self._lock:
             if not completed:  # a rank left: the next step ends the cache
                 return True
-            ready, carried = self.protocol.apply(result, time.monotonic())
+            ready, carried = self.protocol.apply(result, time.monotonic(), reduced)
             self._send_withdrawn()
             self._last_cycle_at = time.monotonic()
         if ready and not self._run_slots(ready, carried):
@@ -463,18 +454,19 @@ class ResponseCache:
             self._negotiate(hit.request_list())
 
     # ------------------------------------------------------------- running
-    def _run_slots(self, ready: List[Slot], carried=None) -> bool:
+    def _run_slots(self, ready: List[Slot], carried=()) -> bool:
         """Run the ready slots in slot order: allreduces fused while they agree, the rest one by one.
 
-        ``carried``: (slot, reduced data) of a slot the cycle itself reduced; it completes
+        ``carried``: (slot, reduced data) of the slots the cycle itself reduced; they complete
         first, with no transfer. False if one failed (the executor has failed its handles and
         the job).
         """
-        if carried is not None:
-            slot, reduced = carried
-            ready = [other for other in ready if other is not slot]
-            if not self._complete_carried(slot, reduced):
-                return False
+        if carried:
+            done = {id(slot) for slot, _ in carried}
+            ready = [other for other in ready if id(other) not in done]
+            for slot, reduced in carried:
+                if not self._complete_carried(slot, reduced):
+                    return False
         batch: List[Slot] = []
         batch_bytes = 0
         for slot in ready:
