@@ -7,8 +7,16 @@ Two gradients combine as
 
 (a coefficient whose norm is zero is taken as 1: that vector is zero). Orthogonal vectors
 add up, equal ones average, opposite ones cancel. N gradients combine pairwise in a tree:
-the result of a group of ranks is ``adasum(result of its lower half, result of its upper
-half)``.
+the result of a group of ranks is the combination of its lower part's result and its upper
+part's. Two parts that hold m and n ranks combine **weighted by those counts**:
+
+    adasum_{m,n}(a, b) = (1 - m/(m+n) a.b / |a|^2) a + (1 - n/(m+n) a.b / |b|^2) b
+
+For m = n this is ``adasum(a, b)``. It keeps Adasum's two defining properties at every rank
+count, by induction over the tree: orthogonal gradients give their sum (a.b = 0, and the
+parts' sums stay orthogonal), parallel ones their mean (a = x v the mean of m gradients,
+b = y v the mean of n: the result is (m x + n y)/(m + n) v). Unweighted, an unequal split
+would not: 3 parallel gradients c1 v, c2 v, c3 v would give (c1 + c3)/4 v + c2/2 v.
 
 The P = largest power of two <= N ranks run the tree as recursive halving (the paper's
 Algorithm 2, also what Horovod runs on CPU). At level l (distance d = 2^l) rank r and its
@@ -26,8 +34,10 @@ in reverse order, each rank sending its segment to its partner (the allgather).
 
 **Any number of ranks**: ranks P .. N-1 first send their whole vector to rank r - P,
 which combines the two (``adasum(its own, the extra's)``, a whole-vector pair) before the
-tree, and sends the result back after it. So for N = 3 the tree is
-``adasum(adasum(g0, g2), g1)``; Horovod refuses sizes that are not powers of two.
+tree, and sends the result back after it. Rank r < P then holds the result of 1 or 2 ranks,
+and each level of the tree weighs its two parts by the ranks they hold. So for N = 3 the
+tree is ``adasum_{2,1}(adasum(g0, g2), g1)``; for a power of two every split is even and the
+tree is Horovod's. Horovod refuses sizes that are not powers of two.
 
 **Wire format**: values travel in ``wire`` (float16 for ``Compression.fp16``), and are
 combined in the buffer's own dtype (float32, or float64): each level's half is rounded to
@@ -72,13 +82,19 @@ def adasum_allreduce(comm: MPI.Comm, buffer: np.ndarray, edges, wire=None) -> No
         theirs = _receive(comm, buffer.size, extra, wire, buffer.dtype)
         ab, aa, bb = _partial_sums(buffer, theirs, 0, edges)
         _combine(buffer, theirs, 0, edges, ab, aa, bb)
-    segments = _reduce_levels(comm, buffer, edges, wire, rank, tree)
+    segments = _reduce_levels(comm, buffer, edges, wire, rank, tree, size)
     _gather_levels(comm, buffer, wire, rank, segments)
     if extra < size:
         _send(comm, buffer, extra, wire)
 
 
-def _reduce_levels(comm, buffer: np.ndarray, edges: np.ndarray, wire, rank: int, tree: int):
+def ranks_held(first: int, count: int, tree: int, size: int) -> int:
+    """How many of ``size`` ranks the tree's places ``first`` .. ``first + count - 1`` hold
+    (place r holds rank r, and rank r + ``tree`` where that exists)."""
+    return count + max(0, min(first + count, size - tree) - first)
+
+
+def _reduce_levels(comm, buffer: np.ndarray, edges: np.ndarray, wire, rank: int, tree: int, size: int):
     """The halving levels; returns the segment held before each level (for the gather)."""
     lo, hi = 0, buffer.size
     held = []
@@ -94,7 +110,9 @@ def _reduce_levels(comm, buffer: np.ndarray, edges: np.ndarray, wire, rank: int,
         a, b = (own, received) if lower else (received, own)
         sums = np.stack(_partial_sums(a, b, keep_lo, edges))
         sums = _group_sum(comm, sums, rank, distance)
-        _combine(own, received, keep_lo, edges, *sums, own_is_a=lower)
+        base = rank & ~(2 * distance - 1)  # the group of 2 * distance places: lower part, then upper
+        weights = ranks_held(base, distance, tree, size), ranks_held(base + distance, distance, tree, size)
+        _combine(own, received, keep_lo, edges, *sums, own_is_a=lower, weights=weights)
         held.append((lo, hi, keep_lo, keep_hi, partner))
         lo, hi = keep_lo, keep_hi
         distance <<= 1
@@ -142,12 +160,14 @@ def _dot(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def _combine(own: np.ndarray, received: np.ndarray, offset: int, edges: np.ndarray, ab, aa, bb,
-             own_is_a: bool = True) -> None:
-    """``own`` becomes ``adasum(a, b)`` piece by piece, per tensor, with the whole vectors'
-    ``ab``, ``aa``, ``bb`` (``own`` is ``a`` or ``b`` as ``own_is_a`` says)."""
+             own_is_a: bool = True, weights=(1, 1)) -> None:
+    """``own`` becomes ``adasum_{m,n}(a, b)`` piece by piece, per tensor, with the whole
+    vectors' ``ab``, ``aa``, ``bb`` (``own`` is ``a`` or ``b`` as ``own_is_a`` says;
+    ``weights``: (m, n), the ranks that ``a`` and ``b`` hold)."""
+    a_share, b_share = weights[0] / (weights[0] + weights[1]), weights[1] / (weights[0] + weights[1])
     for tensor, start, stop in _tensors_in(edges, offset, offset + own.size):
-        a_coefficient = 1.0 - ab[tensor] / (2.0 * aa[tensor]) if aa[tensor] > 0 else 1.0
-        b_coefficient = 1.0 - ab[tensor] / (2.0 * bb[tensor]) if bb[tensor] > 0 else 1.0
+        a_coefficient = 1.0 - a_share * ab[tensor] / aa[tensor] if aa[tensor] > 0 else 1.0
+        b_coefficient = 1.0 - b_share * ab[tensor] / bb[tensor] if bb[tensor] > 0 else 1.0
         if not own_is_a:
             a_coefficient, b_coefficient = b_coefficient, a_coefficient
         piece = own[start - offset:stop - offset]

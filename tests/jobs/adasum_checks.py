@@ -4,12 +4,15 @@ Run under ``mpirun`` on any number of ranks (the tests use 2, 3 and 4). Every ra
 every rank's inputs from seeds and computes the expected result with :func:`tree`: the
 result of ranks [lo, hi) is ``pair(result of the lower half, result of the upper half)``
 over the largest power of two P <= N ranks, after each rank r >= P was first combined into
-rank r - P (``pair(g[r - P], g[r])``), per tensor, in float64.
+rank r - P (``pair(g[r - P], g[r])``), each pair weighted by the ranks its two parts hold,
+per tensor, in float64.
 
 Sections: ``values`` (orthogonal vectors add, equal ones stay, opposite ones cancel, random
 ones match the reference in float32, float64, float16 and bfloat16; allreduce, allreduce_,
 the async forms, grouped = fused equal to unfused, prescale/postscale, a process set,
-Compression.fp16 on the wire), ``errors`` (the refusals, and the job goes on),
+Compression.fp16 on the wire), ``horovod`` (Horovod's own four Adasum tests, float32 and
+float16, with its criterion), ``errors`` (the refusals, as Horovod's error types where its
+tests check them, and the job goes on),
 ``optimizer`` (DistributedOptimizer(op=Adasum) equal to the reference of Horovod's rule:
 each rank steps alone, the parameters' changes are combined, for SGD with momentum and Adam,
 and with fp16 on the wire). Prints ``FAIL ...`` lines, ``CASES <section> <n>``, then ``DONE``.
@@ -22,13 +25,13 @@ import numpy as np
 import torch
 
 import ringmaster as rm
-from adasum_checks_reference import tree
+from adasum_checks_reference import HOROVOD_TESTS, horovod_cases, horovod_close, tree
 from job_report import Tally
 
 rm.init()
 RANK, SIZE = rm.rank(), rm.size()
 tally = Tally(RANK)
-SECTIONS = sys.argv[1:] or ["values", "errors", "optimizer"]
+SECTIONS = sys.argv[1:] or ["values", "horovod", "errors", "optimizer"]
 
 
 def seed(*parts) -> int:
@@ -126,6 +129,25 @@ def values_section():
     check("Compression.fp16 on the wire", got, tree([x.astype(np.float16).astype(np.float64) for x in inputs]), 5e-3)
 
 
+# ------------------------------------------------------------------ horovod
+def horovod_section():
+    """Horovod's own Adasum tests (test/parallel/test_adasum_pytorch.py: orthogonal, parallel,
+    stability, stability 2; float32 and float16 tensors), through the API on CPU tensors, with
+    Horovod's criterion."""
+    for test in HOROVOD_TESTS:
+        cases = horovod_cases(test, SIZE)
+        dtypes = {np.float32: torch.float32, np.float16: torch.float16}
+        mine = [torch.from_numpy(vectors[RANK]).to(dtypes[dtype]) for dtype, vectors, _ in cases]
+        if test in ("orthogonal", "parallel"):  # as Horovod: every tensor asynchronously, then wait
+            handles = [rm.allreduce_async(t, op=rm.Adasum, name=f"horovod {test} {i}") for i, t in enumerate(mine)]
+            results = [rm.synchronize(h) for h in handles]
+        else:
+            results = [rm.allreduce_(t, op=rm.Adasum, name=f"horovod {test} {i}") for i, t in enumerate(mine)]
+        for (dtype, vectors, expected), got in zip(cases, results):
+            ok, detail = horovod_close(dtype, expected, got.double().numpy())
+            tally.report(f"horovod: {test} {np.dtype(dtype).name} n={expected.size}", ok, detail)
+
+
 # ------------------------------------------------------------------ errors
 def expect_error(case: str, error_type, words, call) -> None:
     try:
@@ -141,7 +163,12 @@ def expect_error(case: str, error_type, words, call) -> None:
 
 def errors_section():
     x = torch.ones(4 * SIZE)
-    expect_error("reducescatter refuses Adasum", ValueError, ["reducescatter", "Adasum", "allreduce only"],
+    # Horovod raises a RuntimeError (HorovodInternalError) here, and its test_torch.py expects one.
+    expect_error("reducescatter refuses Adasum", rm.HorovodInternalError, ["reducescatter", "Adasum", "allreduce only"],
+                 lambda: rm.reducescatter(x, op=rm.Adasum))
+    expect_error("grouped_reducescatter refuses Adasum", rm.HorovodInternalError, ["Adasum", "allreduce only"],
+                 lambda: rm.grouped_reducescatter([x], op=rm.Adasum))
+    expect_error("reducescatter's refusal is a ValueError too", ValueError, ["Adasum"],
                  lambda: rm.reducescatter(x, op=rm.Adasum))
     expect_error("integers refuse Adasum", TypeError, ["Adasum", "floating-point", "torch.int32"],
                  lambda: rm.allreduce(torch.ones(3, dtype=torch.int32), op=rm.Adasum))
@@ -229,7 +256,8 @@ def optimizer_section():
 
 for section in SECTIONS:
     before = tally.cases
-    {"values": values_section, "errors": errors_section, "optimizer": optimizer_section}[section]()
+    {"values": values_section, "horovod": horovod_section, "errors": errors_section,
+     "optimizer": optimizer_section}[section]()
     print(f"CASES {section} {tally.cases - before}", flush=True)
 tally.done()
 rm.shutdown()

@@ -25,6 +25,7 @@ from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.compression.compressors import Compression
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.current import runtime
+from ringmaster.worker.runtime.errors import UnsupportedOpError
 from ringmaster.worker.runtime.executor import Entry
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set, member_set
 from ringmaster.worker.runtime.tensors import REDUCIBLE_DTYPES, device_name, dtype_name
@@ -79,8 +80,8 @@ def _resolve_op(average, op, what: str, adasum: bool = False) -> int:
     if op is None:
         op = Sum if average is False else Average
     if op == Adasum and not adasum:
-        raise ValueError(f"{what}: op=Adasum combines whole gradients and runs in allreduce only; use "
-                         f"Average, Sum, Min, Max or Product here")
+        raise UnsupportedOpError(f"{what}: op=Adasum combines whole gradients and runs in allreduce only; use "
+                                 f"Average, Sum, Min, Max or Product here")
     if op not in _REDUCE_OPS and op != Adasum:
         raise ValueError(f"{what}: op={op!r} is not a reduction; use ringmaster.Average, Sum, Adasum, Min, "
                          f"Max or Product")

@@ -30,4 +30,9 @@ class NotInitializedError(RingmasterError, ValueError):
     """A ringmaster function was called before ``init()`` or after ``shutdown()``."""
 
 
+class UnsupportedOpError(RingmasterError, ValueError):
+    """A reduction the collective does not run, such as ``op=Adasum`` in a reducescatter: a
+    ``RuntimeError`` (``HorovodInternalError``), as Horovod raises, and a ``ValueError``."""
+
+
 HorovodInternalError = RingmasterError
