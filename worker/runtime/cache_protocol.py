@@ -113,17 +113,18 @@ PAYLOAD_REDUCTIONS = (pb.SUM, pb.AVERAGE, pb.PRODUCT, pb.MIN, pb.MAX)  # AVERAGE
 
 
 class Payload(NamedTuple):
-    """What a cycle carries: ``slots``' data, ``counts`` elements each, of ``dtype``, reduced with ``reduce_op``."""
+    """What a cycle carries: ``slots``' data of ``dtype`` end to end (slot i's elements at
+    ``edges[i]:edges[i + 1]``), reduced with ``reduce_op``."""
 
     slots: Tuple[int, ...]
-    counts: Tuple[int, ...]
+    edges: Tuple[int, ...]
     dtype: np.dtype
     reduce_op: int
 
     def parts(self, data: np.ndarray) -> List[Tuple[int, np.ndarray]]:
         """(slot, its part of ``data``) for each slot, in the payload's order."""
-        edges = np.cumsum((0,) + self.counts).tolist()
-        return [(slot, data[start:stop]) for slot, start, stop in zip(self.slots, edges, edges[1:])]
+        edges = self.edges
+        return [(slot, data[edges[i]:edges[i + 1]]) for i, slot in enumerate(self.slots)]
 
 
 def carriable(dtype: str, reduce_op: int) -> bool:
@@ -344,6 +345,7 @@ class CacheProtocol:
         #: second run on.
         self.payload: Optional[Payload] = None
         self._recent: List[int] = []  # carriable slots, the most recently run first (agreed)
+        self._payload_stale = False   # _recent changed: make the payload anew after this cycle
         #: This cycle's payload data (made with the vector; None: the cycle carries none).
         self.outgoing: Optional[np.ndarray] = None
 
@@ -470,7 +472,7 @@ class CacheProtocol:
             if len(hits) == 1 and hits[0] is not None:
                 self.outgoing = data(hits[0])
             else:
-                self.outgoing = np.zeros(sum(payload.counts), payload.dtype)
+                self.outgoing = np.zeros(payload.edges[-1], payload.dtype)
                 for hit, (_, part) in zip(hits, payload.parts(self.outgoing)):
                     if hit is not None:
                         part[:] = data(hit)
@@ -503,7 +505,9 @@ class CacheProtocol:
         if ready:
             self.last_activity = now
             ran = [number for number in agreed.ready if self.table.slots[number].carriable]
-            self._recent = ran + [number for number in self._recent if number not in ran]
+            if ran and self._recent[:len(ran)] != ran:
+                self._recent = ran + [number for number in self._recent if number not in ran]
+                self._payload_stale = True
         # A join round that has already ended here (its JOIN response came first) is no reason.
         if agreed.join_round == self.joins_completed and self.phase is Phase.AWAKE:
             self.phase = Phase.SUSPENDED
@@ -519,7 +523,9 @@ class CacheProtocol:
             self.dormant_events = agreed.events
             if self.events > self.dormant_events:  # the waking event came here during the cycle
                 self.phase = self._slept_in
-        self.payload = self._next_payload()
+        if self._payload_stale:
+            self.payload = self._next_payload()
+            self._payload_stale = False
         return ready, carried
 
     def _next_payload(self) -> Optional[Payload]:
@@ -530,7 +536,7 @@ class CacheProtocol:
         latest = self.table.slots[self._recent[0]].template
         dtype, reduce_op = np.dtype(latest.dtype), latest.reduce_op
         room = carriable_bytes(latest.dtype, self.table.ranks)
-        slots, counts, used = [], [], 0
+        slots, edges, used = [], [0], 0
         for number in self._recent:
             slot = self.table.slots[number]
             if slot.template.dtype != latest.dtype or slot.template.reduce_op != reduce_op:
@@ -538,11 +544,11 @@ class CacheProtocol:
             if used + slot.nbytes > room:
                 break
             slots.append(number)
-            counts.append(slot.nbytes // dtype.itemsize)
             used += slot.nbytes
+            edges.append(used // dtype.itemsize)
             if len(slots) == PAYLOAD_SLOTS:
                 break
-        return Payload(tuple(slots), tuple(counts), dtype, reduce_op)
+        return Payload(tuple(slots), tuple(edges), dtype, reduce_op)
 
     def _apply_proposal(self, proposal: Proposal) -> None:
         key = proposal.key
@@ -553,6 +559,7 @@ class CacheProtocol:
         number, evicted = self.table.insert(proposal, self.cycles_done)
         if evicted is not None and evicted in self._recent:
             self._recent.remove(evicted)
+            self._payload_stale = True
         if evicted is not None and evicted in self.pending:
             self.withdrawn.append(self.pending.pop(evicted))
         for hit in self.waiting.pop(key, []) if key is not None else ():
