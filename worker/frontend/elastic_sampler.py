@@ -92,10 +92,6 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.processed_num = processed_num
         self.reset()
 
-    def gather_processed(self) -> None:
-        """Nothing to gather: ``processed_num`` is the same on every rank (every rank records
-        every step). Kept for ``TorchState``, which calls it before it saves a sampler."""
-
     def reset(self) -> None:
         """Re-shard what is left of the epoch (``order[processed_num:]``) over the current ranks."""
         self.num_replicas = topology.size() if _initialized() else 1

@@ -218,8 +218,8 @@ class TorchState(ObjectState):
     and optimizer's ``state_dict`` are copied at ``save()`` and loaded at ``restore()``;
     ``sync()`` broadcasts rank 0's parameters and optimizer state. A
     :class:`~ringmaster.worker.frontend.elastic_sampler.ElasticSampler` argument is saved
-    with the indices every rank has processed (gathered from all ranks), and re-sharded over
-    the new ranks at a re-form. Assigning ``state.model = other`` replaces the tracked object.
+    as its state (``epoch`` and ``processed_num``, the same on every rank), and re-sharded
+    over the new ranks at a re-form. Assigning ``state.model = other`` replaces the tracked object.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -237,7 +237,7 @@ class TorchState(ObjectState):
         if optimizer is None:
             object.__setattr__(self, "optimizer", None)
         super().__init__(bcast_object, get_rank, **plain)
-        self._save_tracked(gather=False)
+        self._save_tracked()
 
     def __setattr__(self, name: str, value) -> None:
         tracked = self.__dict__.get("_tracked")
@@ -245,7 +245,7 @@ class TorchState(ObjectState):
             tracked[name] = value
         object.__setattr__(self, name, value)
 
-    def _save_tracked(self, gather: bool) -> None:
+    def _save_tracked(self) -> None:
         saved = {}
         for name, value in self._tracked.items():
             if isinstance(value, torch.nn.Module):
@@ -253,13 +253,11 @@ class TorchState(ObjectState):
             elif isinstance(value, torch.optim.Optimizer):
                 saved[name] = copy.deepcopy(value.state_dict())
             elif isinstance(value, ElasticSampler):
-                if gather:
-                    value.gather_processed()
                 saved[name] = copy.deepcopy(value.state_dict())
         object.__setattr__(self, "_saved_tracked", saved)
 
     def save(self) -> None:
-        self._save_tracked(gather=True)
+        self._save_tracked()
         super().save()
 
     def restore(self) -> None:
@@ -276,10 +274,9 @@ class TorchState(ObjectState):
             elif isinstance(value, torch.optim.Optimizer):
                 functions.broadcast_optimizer_state(value, root_rank=0)
             elif isinstance(value, ElasticSampler):
-                value.gather_processed()
                 value.load_state_dict(self._bcast_object(value.state_dict(), 0))
         super().sync()
-        self._save_tracked(gather=False)
+        self._save_tracked()
 
     def reset(self) -> None:
         for value in self._tracked.values():
