@@ -8,9 +8,18 @@ gradients that were just written, still in cache.
 
 That gives the same parameters, bit for bit, as one step after all buckets only for
 optimizers whose update of a parameter reads nothing but that parameter, its gradient and
-its own state. :data:`PER_PARAMETER_OPTIMIZERS` are torch's that do; any other (LBFGS, a
-custom optimizer that looks across parameters), an optimizer with step hooks (they would
-run once per bucket) or a ``closure`` keep the single step.
+its own state. :data:`PER_PARAMETER_OPTIMIZERS` are torch's that do, in each of their forms
+(the default, ``foreach=True``, and ``fused=True`` where torch has it on the device); any
+other (LBFGS, a custom optimizer that looks across parameters) or a ``closure`` keeps the
+single step.
+
+**Step hooks** (the optimizer's own, ``register_step_pre_hook``/``register_step_post_hook``,
+and torch's global ones, ``torch.optim.optimizer.register_optimizer_step_pre_hook``/
+``..._post_hook``) run around every call of the optimizer's ``step()``, and a pre-hook may
+read every gradient and parameter. Bucket by bucket they would run once per bucket, seeing
+half-updated parameters; so a step that finds any hook registered (checked at every step:
+they may come after the optimizer was wrapped) is one step after all buckets, and the hooks
+run once. ``update_per_bucket=True`` is refused where hooks are there when it is asked for.
 
 **Gradient clipping** needs the norm over every gradient, so no update may run before the
 last bucket is in. Clipping in Horovod's way, ``synchronize()``, clip, then ``step()`` in
@@ -20,9 +29,10 @@ bucket first, and the step that follows is one step, as always.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, List, Optional
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 #: torch's optimizers whose update of a parameter depends on that parameter alone (its value,
 #: gradient and state, and the group's hyperparameters); ``foreach`` and ``fused`` forms apply
@@ -40,9 +50,21 @@ def can_update_per_bucket(optimizer: torch.optim.Optimizer, base: type) -> Optio
     torch_class = next(cls for cls in base.__mro__ if cls in PER_PARAMETER_OPTIMIZERS)
     if base.step is not torch_class.step:
         return f"{base.__name__} overrides {torch_class.__name__}.step()"
-    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
-        return "the optimizer has step hooks, which would run once per bucket"
+    hooks = step_hooks(optimizer)
+    if hooks:
+        return f"{' and '.join(hooks)} would run once per bucket"
     return None
+
+
+def step_hooks(optimizer: torch.optim.Optimizer) -> List[str]:
+    """The step hooks registered now that would run around each bucket's step (empty if none)."""
+    found = []
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+        found.append("the optimizer's step hooks")
+    if _torch_optimizer._global_optimizer_pre_hooks or _torch_optimizer._global_optimizer_post_hooks:
+        found.append("global optimizer step hooks (torch.optim.optimizer.register_optimizer_step_pre_hook/"
+                     "_post_hook)")
+    return found
 
 
 def step_parameters(step: Callable[[], object], param_groups, parameters: Iterable[torch.Tensor]) -> None:

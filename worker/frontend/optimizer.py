@@ -22,7 +22,7 @@ import torch
 
 from ringmaster.worker.compression.compressors import Compression, wire_format
 from ringmaster.worker.frontend import collectives
-from ringmaster.worker.frontend.bucket_updates import can_update_per_bucket, step_parameters
+from ringmaster.worker.frontend.bucket_updates import can_update_per_bucket, step_hooks, step_parameters
 from ringmaster.worker.frontend.adasum_optimizer import _DistributedAdasumOptimizer
 from ringmaster.worker.frontend.calibration import calibrated
 from ringmaster.worker.frontend.differentiable import allreduce
@@ -418,8 +418,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = False  # a closure synchronizes inside the step
 
     def _updates_per_bucket(self) -> bool:
-        """Whether this step applies the optimizer bucket by bucket (``bucket_updates.py``)."""
-        if not self._update_per_bucket or self._plan is None:
+        """Whether this step applies the optimizer bucket by bucket (``bucket_updates.py``):
+        not while step hooks are registered (they run once, around one step)."""
+        if not self._update_per_bucket or self._plan is None or step_hooks(self):
             return False
         self._forget_plan_of_an_ended_runtime()
         return self._plan is not None and self._plan.runs_ahead()
@@ -504,7 +505,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             reduced, with the same results (``ringmaster.worker.frontend.bucket_updates``).
             None (default): where that is exact (torch's per-parameter optimizers, no step
             hooks); True: insist (a ValueError says why it cannot); False: one step after all.
-            Not used after an explicit ``synchronize()`` (gradient clipping), nor with a closure.
+            Not used after an explicit ``synchronize()`` (gradient clipping), nor with a closure,
+            nor in a step that finds step hooks registered, the optimizer's or torch's global
+            ones (they run once, around one step after all buckets).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
