@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Sequence
 
-from ringmaster.coordinator.validation import WIRE_ITEMSIZE
+from ringmaster.coordinator.vocabulary import WIRE_ITEMSIZE
 from ringmaster.proto import ringmaster_pb2 as pb
 
 

@@ -2,10 +2,10 @@
 
 The algorithm. Every rank of a host declares (nearly) every tensor of the global set, with
 the same bytes for an allreduce or a broadcast. A request that could be merged (global set,
-no group, not a join or a cache wake) is *held* until every *participant* (a rank of the
-host that registered and has not joined or left) declared it with the same bytes; then it
-goes upstream once, naming all their streams, and the coordinator records it for all of
-them at once. Everything else goes upstream as it came, tagged with its stream's number.
+no group, not one of :data:`.vocabulary.WHOLE_JOB_OPS`) is *held* until every *participant*
+(a rank of the host that registered and has not joined or left) declared it with the same
+bytes; then it goes upstream once, naming all their streams, and the coordinator records it
+for all of them at once. Everything else goes upstream as it came, tagged with its stream's number.
 
 Nothing waits for long, and nothing is reordered where order matters:
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 from typing import Dict, List, Tuple
 
+from ringmaster.coordinator.vocabulary import WHOLE_JOB_OPS
 from ringmaster.proto import ringmaster_pb2 as pb
 
 #: How long a request waits for the rest of its host before going upstream unmerged. A
@@ -40,8 +41,6 @@ from ringmaster.proto import ringmaster_pb2 as pb
 #: (skew up to 20 ms in bench/control_plane.py); a rank later than this is late for the
 #: whole job, and the stall warnings then need each rank's own declaration.
 HOLD_S = 0.1
-
-_UNMERGEABLE_OPS = (pb.JOIN, pb.CACHE_WAKE, pb.PROCESS_SET_ADD, pb.PROCESS_SET_REMOVE)
 
 
 class _Held:
@@ -97,7 +96,7 @@ class HostMerge:
         self._leave(stream)
 
     def _request(self, stream: int, request: pb.TensorRequest, now: float) -> None:
-        if (request.op_type in _UNMERGEABLE_OPS or request.process_set_id != 0 or request.group
+        if (request.op_type in WHOLE_JOB_OPS or request.process_set_id != 0 or request.group
                 or len(self.participants) < 2):
             self.release_stream(stream)
             self._forward_request(stream, request)

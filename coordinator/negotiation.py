@@ -8,11 +8,14 @@ Process sets: a request names the set that runs it (0: every rank). The table is
 (set, name), so one name may be in flight in several sets; a tensor of a set waits only
 for the set's members, and only responses of the same set are fused. Sets are added and
 removed by PROCESS_SET_ADD / PROCESS_SET_REMOVE requests, which every rank declares like
-a global collective: they take their place in the same total order as everything else.
+a global collective: they take their place in the same total order as everything else,
+and change the registry (:mod:`ringmaster.coordinator.process_sets`) when they complete.
 
 Every request is checked at the door (:mod:`ringmaster.coordinator.validation`): one that no
 ringmaster rank would send fails at once with ``INVALID_REQUEST``, naming the rank and the
-field, on every rank that declared that tensor; the job goes on. Whatever waits is watched
+field, on every rank that declared that tensor; the job goes on. When a tensor completes,
+the ranks' requests must agree (else ``MISMATCH``, naming who sent what), and what needs
+the negotiation's state is checked: the set, its members, the root, the splits. Whatever waits is watched
 by :meth:`Negotiator.stalls`: tensors, groups still missing parts, and ranks waiting in
 ``join()``. Each rank may have at most ``max_pending_requests`` tensors waiting for others.
 """
@@ -21,55 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ringmaster.coordinator.fusion import fuse_responses
-from ringmaster.coordinator.validation import OP_NAMES, REDUCE_NAMES, Problem, request_problem, shown
+from ringmaster.coordinator.process_sets import GLOBAL_SET, ProcessSets, describe_set
+from ringmaster.coordinator.validation import Problem, compression_problem, request_problem, shown
+from ringmaster.coordinator.vocabulary import OP_NAMES, REDUCE_NAMES, UNTABLED_OPS
 from ringmaster.proto import ringmaster_pb2 as pb
 
 #: Longest error message a response carries (mismatches list every rank's value); longer
 #: ones are cut, so that one response always fits in a message.
 MAX_ERROR_BYTES = 16 * 1024
 
-#: Requests a host aggregator never merges (they concern one rank, or no tensor).
-_NOT_MERGED = (pb.JOIN, pb.CACHE_WAKE)
-
 # The ops joined ranks take part in (contributing zeros), as in Horovod: an allgather, broadcast,
 # alltoall or reducescatter while a rank has joined fails on the ranks that called it.
 JOINABLE = (pb.ALLREDUCE, pb.BARRIER)
-
-GLOBAL_SET = 0
-
-#: Wire formats an allreduce may ask for (``TensorRequest.compression``); "" sends as is.
-WIRE_COMPRESSIONS = ("", "int8", "linear8")
-FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-class ProcessSetInfo(NamedTuple):
-    """The members of one registered process set."""
-
-    ranks: Tuple[int, ...]  # sorted global ranks
-    members: frozenset
-
-
-def describe_set(set_id: int, ranks: Sequence[int]) -> str:
-    """How messages name a process set."""
-    return f"process set {set_id} (ranks {list(ranks)})"
-
-
-def ranks_problem(ranks: Sequence[int], size: int) -> Optional[str]:
-    """Why ``ranks`` cannot form a process set of a job of ``size`` ranks, or None."""
-    if not ranks:
-        return "a process set needs at least one rank"
-    for rank in ranks:
-        if not 0 <= rank < size:
-            return f"rank {rank} is not a rank of this job of size {size} (ranks 0..{size - 1})"
-    if len(set(ranks)) != len(ranks):
-        seen, duplicates = set(), set()
-        for rank in ranks:
-            (duplicates if rank in seen else seen).add(rank)
-        return f"ranks {sorted(duplicates)} appear more than once"
-    return None
 
 
 class PendingTensor:
@@ -154,9 +123,7 @@ class Negotiator:
         self._groups: Dict[Tuple[int, str], PendingGroup] = {}
         self._join_progress: Optional[float] = None  # last join, or last tensor run with joined ranks
         self._join_warned = False
-        everyone = tuple(range(size))
-        self._sets: Dict[int, ProcessSetInfo] = {GLOBAL_SET: ProcessSetInfo(everyone, frozenset(everyone))}
-        self._next_set_id = 1
+        self._sets = ProcessSets(size)
         self._joined: List[int] = []
         self._departed: Dict[int, str] = {}  # rank -> who it was, for ranks that shut down
 
@@ -239,7 +206,7 @@ class Negotiator:
         for request in requests:
             key = (request.process_set_id, request.name)
             entry = pending.get(key)
-            if (one_by_one or key[0] != GLOBAL_SET or request.group or request.op_type in _NOT_MERGED
+            if (one_by_one or key[0] != GLOBAL_SET or request.group or request.op_type in UNTABLED_OPS
                     or (entry is not None and not entry.requests.keys().isdisjoint(ranks))
                     or (entry is None and self._over_pending_limit(ranks))):
                 for rank in ranks:
@@ -310,14 +277,8 @@ class Negotiator:
     def _accept_set_request(self, rank: int, request: pb.TensorRequest) -> bool:
         """False (and the request answered with an error) if ``rank`` may not use its process set."""
         set_id, name = request.process_set_id, request.name
-        info = self._sets.get(set_id)
-        if info is None:
-            problem = (f"process set {set_id} is not registered (never added, or removed), yet rank {rank} "
-                       f"asked for it; register it with add_process_set() on every rank first")
-        elif rank not in info.members:
-            problem = (f"rank {rank} is not a member of {describe_set(set_id, info.ranks)}; "
-                       f"only its members may run its collectives")
-        else:
+        problem = self._sets.membership_problem(rank, set_id)
+        if problem is None:
             return True
         error = _error_response(name, pb.INVALID_REQUEST,
                                 f"{OP_NAMES[request.op_type]} '{shown(name)}': {problem}", set_id)
@@ -444,7 +405,7 @@ class Negotiator:
             return self._remove_set(entry.name, first)
         set_id = entry.process_set_id
         members = self._sets[set_id].ranks
-        problem = _compression_problem(first)
+        problem = compression_problem(first)
         if problem:
             return _error_response(entry.name, pb.INVALID_REQUEST, problem, set_id)
         response = pb.Response(
@@ -477,29 +438,19 @@ class Negotiator:
     def _add_set(self, name: str, request: pb.TensorRequest) -> pb.Response:
         """Register the set every rank asked for, under the next free id."""
         ranks = list(request.set_change.ranks)
-        problem = ranks_problem(ranks, self.size)
-        if problem is None and ranks != sorted(ranks):
-            problem = f"ranks {ranks} are not sorted"
-        if problem is None:
-            for set_id, info in self._sets.items():
-                if list(info.ranks) == ranks:
-                    problem = (f"these ranks are already {describe_set(set_id, ranks)}; "
-                               f"use that set or remove it first")
+        set_id, problem = self._sets.add(ranks)
         if problem is not None:
             return _error_response(name, pb.INVALID_REQUEST, f"add_process_set({ranks}): {problem}")
-        set_id, self._next_set_id = self._next_set_id, self._next_set_id + 1
-        self._sets[set_id] = ProcessSetInfo(tuple(ranks), frozenset(ranks))
         return pb.Response(op_type=pb.PROCESS_SET_ADD, names=[name],
                            set_change=pb.ProcessSetSpec(id=set_id, ranks=ranks))
 
     def _remove_set(self, name: str, request: pb.TensorRequest) -> pb.Response:
         """Forget a set; its tensors still waiting for members fail first, in the same order everywhere."""
         set_id = request.set_change.id
-        if set_id == GLOBAL_SET or set_id not in self._sets:
-            why = "is the global set" if set_id == GLOBAL_SET else "is not registered"
+        info, why = self._sets.remove(set_id)
+        if info is None:
             return _error_response(name, pb.INVALID_REQUEST,
                                    f"remove_process_set: process set {set_id} {why}; nothing was removed")
-        info = self._sets.pop(set_id)
         label = describe_set(set_id, info.ranks)
         for entry in [e for e in self._pending.values() if e.process_set_id == set_id]:
             missing = [r for r in info.ranks if r not in entry.requests]
@@ -555,8 +506,7 @@ class Negotiator:
 
     def set_ranks(self, set_id: int) -> Optional[Tuple[int, ...]]:
         """The members of process set ``set_id`` (global ranks, sorted); None if it is not registered."""
-        info = self._sets.get(set_id)
-        return None if info is None else info.ranks
+        return self._sets.ranks(set_id)
 
     def has_partial(self) -> bool:
         """True when some tensor is declared by some ranks but not yet by all."""
@@ -614,22 +564,6 @@ class Negotiator:
 
 
 _STALL_KINDS = {pb.PROCESS_SET_ADD: "add_process_set", pb.PROCESS_SET_REMOVE: "remove_process_set"}
-
-
-def _compression_problem(request: pb.TensorRequest) -> Optional[str]:
-    """Why the request's wire format cannot be used, or None."""
-    if not request.compression:
-        return None
-    what = f"{OP_NAMES[request.op_type]} '{request.name}' with compression '{request.compression}'"
-    if request.compression not in WIRE_COMPRESSIONS:
-        return f"{what}: unknown wire format; use one of {', '.join(c for c in WIRE_COMPRESSIONS if c)}"
-    if request.op_type != pb.ALLREDUCE:
-        return f"{what}: 8-bit wire formats apply to allreduce only"
-    if request.reduce_op not in (pb.SUM, pb.AVERAGE):
-        return f"{what}: 8-bit wire formats reduce with Sum or Average, not {REDUCE_NAMES[request.reduce_op]}"
-    if request.dtype not in FLOATING_DTYPES:
-        return f"{what}: 8-bit wire formats take floating-point tensors, not {request.dtype}"
-    return None
 
 
 def _error_response(name: str, kind: int, message: str, process_set_id: int = GLOBAL_SET) -> pb.Response:

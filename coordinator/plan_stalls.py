@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ringmaster.coordinator.negotiation import GLOBAL_SET, Stall
+from ringmaster.coordinator.negotiation import Stall
+from ringmaster.coordinator.process_sets import GLOBAL_SET
 from ringmaster.proto import ringmaster_pb2 as pb
 
 

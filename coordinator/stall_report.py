@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from ringmaster.coordinator.negotiation import Stall, describe_set
+from ringmaster.coordinator.negotiation import Stall
+from ringmaster.coordinator.process_sets import describe_set
 from ringmaster.coordinator.validation import shown
 
 #: Most lines one stall check logs; the rest are counted in a last line.

@@ -10,9 +10,11 @@ lengths, group sizes are ones a rank may have pending, process-set changes list 
 every rank once.
 
 Each check answers ``None`` (fine) or a :class:`Problem` naming the field, the value sent
-and what it must be; the caller adds which rank sent it. Checks that need the state of the
-negotiation (is the set registered, is the root a member, do the ranks agree) stay in
-:mod:`ringmaster.coordinator.negotiation`, which runs them when a tensor completes.
+and what it must be; the caller adds which rank sent it. The lists these checks read (ops,
+reductions, dtypes, wire formats) are :mod:`.vocabulary`'s. Checks that need the state of
+the negotiation (is the set registered, is the root a member, do the ranks agree) stay in
+:mod:`ringmaster.coordinator.negotiation`, which runs them when a tensor completes, and
+then also runs :func:`compression_problem`.
 """
 
 from __future__ import annotations
@@ -20,29 +22,10 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional
 
+from ringmaster.coordinator.vocabulary import (DATA_OPS, FLOATING_DTYPES, OP_NAMES, REDUCE_NAMES, REDUCIBLE_DTYPES,
+                                              REDUCTIONS, ROW_OPS, RUNNABLE_REDUCTIONS, WHOLE_JOB_OPS,
+                                              WIRE_COMPRESSIONS, WIRE_ITEMSIZE)
 from ringmaster.proto import ringmaster_pb2 as pb
-
-OP_NAMES = {v: k.lower() for k, v in pb.OpType.items()}
-#: Operations that concern every rank of the job: never in a process set, never grouped.
-WHOLE_JOB_OPS = (pb.JOIN, pb.PROCESS_SET_ADD, pb.PROCESS_SET_REMOVE, pb.CACHE_WAKE)
-REDUCE_NAMES = {v: k.title() for k, v in pb.ReduceOp.items()}
-
-#: Bytes per element of each dtype as it travels (bfloat16 is reduced in float32).
-WIRE_ITEMSIZE = {
-    "float16": 2, "bfloat16": 4, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
-    "int16": 2, "int32": 4, "int64": 8, "bool": 1,
-}
-#: The dtypes the ranks can reduce (allreduce, reducescatter); the others only move bytes.
-REDUCIBLE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool")
-#: The reductions the ranks can run; Adasum only in an allreduce of floating-point tensors.
-RUNNABLE_REDUCTIONS = (pb.AVERAGE, pb.SUM, pb.MIN, pb.MAX, pb.PRODUCT, pb.ADASUM)
-FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-#: Ops that carry a tensor (dtype, shape, device); the others are control requests.
-DATA_OPS = (pb.ALLREDUCE, pb.ALLGATHER, pb.BROADCAST, pb.ALLTOALL, pb.REDUCESCATTER, pb.BARRIER)
-#: Ops whose tensor is cut or joined along its first dimension, which it must therefore have.
-ROW_OPS = (pb.ALLGATHER, pb.ALLTOALL, pb.REDUCESCATTER)
-REDUCTIONS = (pb.ALLREDUCE, pb.REDUCESCATTER)
 
 #: Longest tensor, group or gradient-plan name, in UTF-8 bytes. The longest names ringmaster
 #: makes are DistributedOptimizer's, "DistributedOptimizer.Allreduce." + a parameter's
@@ -156,6 +139,24 @@ def tuning_problem(tuning: pb.Tuning, rank: int) -> Optional[Problem]:
         return Problem("cycle_time_ms", str(tuning.cycle_time_ms), "a finite number of milliseconds from 0 to 60000")
     if tuning.ring_min_bytes < 0:
         return Problem("ring_min_bytes", str(tuning.ring_min_bytes), "bytes >= 0")
+    return None
+
+
+def compression_problem(request: pb.TensorRequest) -> Optional[str]:
+    """Why the wire format ``request`` asks for cannot carry it, or None. Run when the tensor
+    completes (:mod:`.negotiation`), so that every rank gets the one error, after the check
+    that the ranks agree on the format."""
+    if not request.compression:
+        return None
+    what = f"{OP_NAMES[request.op_type]} '{request.name}' with compression '{request.compression}'"
+    if request.compression not in WIRE_COMPRESSIONS:
+        return f"{what}: unknown wire format; use one of {', '.join(c for c in WIRE_COMPRESSIONS if c)}"
+    if request.op_type != pb.ALLREDUCE:
+        return f"{what}: 8-bit wire formats apply to allreduce only"
+    if request.reduce_op not in (pb.SUM, pb.AVERAGE):
+        return f"{what}: 8-bit wire formats reduce with Sum or Average, not {REDUCE_NAMES[request.reduce_op]}"
+    if request.dtype not in FLOATING_DTYPES:
+        return f"{what}: 8-bit wire formats take floating-point tensors, not {request.dtype}"
     return None
 
 
@@ -276,4 +277,4 @@ def _listing(names: dict) -> str:
 
 
 __all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "OP_NAMES", "Problem", "REDUCE_NAMES", "WIRE_ITEMSIZE",
-           "heartbeat_problem", "register_problem", "request_problem", "shown"]
+           "compression_problem", "heartbeat_problem", "register_problem", "request_problem", "shown"]

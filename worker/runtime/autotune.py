@@ -51,6 +51,7 @@ from typing import Callable, Dict, List, Optional
 
 from ringmaster import ops
 from ringmaster.common.config import Config
+from ringmaster.coordinator.vocabulary import WIRE_ITEMSIZE
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime.autotune_search import CoordinateSearch, Dimension, Setting
 
@@ -70,10 +71,6 @@ RING_MIN_VALUES = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 
 #: Without a repeating name, a sample ends after this many responses per step.
 FALLBACK_RESPONSES_PER_STEP = 64
-
-#: Bytes per element of a response's dtype as it is reduced (bfloat16 in float32).
-_ITEMSIZE = {"float16": 2, "bfloat16": 4, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
-             "int16": 2, "int32": 4, "int64": 8, "bool": 1}
 
 CSV_COLUMNS = ("trial", "phase", "fusion_threshold_bytes", "cycle_time_ms", "ring_min_bytes", "cache_enabled",
                "bytes", "seconds", "score_bytes_per_s")
@@ -116,7 +113,7 @@ def reduced_bytes(response: pb.Response) -> int:
     """Bytes an allreduce or reducescatter response reduces (0 for anything else)."""
     if response.error_kind != pb.NO_ERROR or response.op_type not in (pb.ALLREDUCE, pb.REDUCESCATTER):
         return 0
-    itemsize = _ITEMSIZE.get(response.dtype, 4)
+    itemsize = WIRE_ITEMSIZE.get(response.dtype, 4)
     return sum(math.prod(shape.dims) * itemsize for shape in response.shapes)
 
 
