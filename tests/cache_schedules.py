@@ -1,12 +1,17 @@
 """A deterministic explorer of the response cache's cycle protocol (tests/test_cache_schedules.py).
 
-It runs the real :class:`CacheProtocol` of 2-8 simulated ranks, with no MPI and no threads:
+It runs the real :class:`CacheProtocol` of 2-8 simulated ranks, each inside a real
+:class:`ResponseCache`, with no MPI and no threads:
 
-- each rank has a *cycle thread* that does what ``response_cache.ResponseCache`` does with
-  the protocol (``next_step``; on ``CYCLE`` put its vector into the next cycle; on ``WAIT``
-  ask the coordinator to wake everyone if it has hits), and a *training script*: steps of
-  named collectives submitted in a rank-specific order, pauses, the cache switched off and
-  on (autotuning's switch), ``join()``, and shutdown;
+- each rank has a *cycle thread* (``next_step``; on ``CYCLE`` the real ``ResponseCache._cycle``
+  makes its vector, which goes into the next cycle; on ``WAIT`` it asks the coordinator to
+  wake everyone if it has hits), and a *training script*: steps of named collectives (taken
+  by the real ``ResponseCache.take``) submitted in a rank-specific order, pauses, the cache
+  switched off and on (autotuning's switch), ``join()``, and shutdown. A training thread that
+  waits on a handle of its step calls the real ``ResponseCache.drive(handle)``, guard and
+  all: the cycle it enters is the one drive() starts. The cache's communicator is a stand-in
+  whose ``Iallreduce`` hands the vector to the explorer (:class:`EnteredCycle`), and its clock
+  is the schedule's;
 - the coordinator is an ordered event log (responses, ``CACHE_WAKE``, JOIN responses, a
   rank leaving) that each rank reads at its own pace, and a table of negotiated requests;
 - a cycle is the ``MIN`` of the vectors of every rank that entered it; each rank applies it
@@ -22,6 +27,7 @@ ends with no action enabled and is reported with its seed and its last actions.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import random
 from typing import Dict, List, Optional, Set, Tuple
@@ -29,33 +35,92 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime.cache_protocol import CacheProtocol, CycleVector, Hit, Phase, Proposal, Step
+from ringmaster.worker.runtime import response_cache
+from ringmaster.worker.runtime.cache_protocol import CycleVector, Phase, Proposal, Step
+from ringmaster.worker.runtime.response_cache import ResponseCache
 
 NAMES = ("a", "b", "c", "d", "e")
 #: Times the scheduler lets pass at once: within a cycle time, around the dormancy delay, beyond the withdrawal.
 TIME_STEPS = (0.001, 0.01, 0.05, 0.25, 1.2)
 
 
-def _proposals() -> Dict[str, Proposal]:
+def _proposals(names) -> Dict[str, Proposal]:
     made = {}
-    for name in NAMES:
+    for name in names:
         response = pb.Response(op_type=pb.ALLREDUCE, names=[name], dtype="float32")
         response.shapes.add().dims.extend([4])
         made[name] = Proposal.from_response(response, 0, name)
     return made
 
 
-PROPOSALS = _proposals()
-
-
 class ScheduleFailure(AssertionError):
     """A schedule broke an invariant or could not finish; the message holds its seed and trace."""
+
+
+class EnteredCycle(BaseException):
+    """Raised by the stand-in communicator where ``ResponseCache`` starts a cycle's allreduce:
+    the explorer takes the vector from there (a ``BaseException``: the cache's own handler of
+    failed cycles lets it through, as it would let the allreduce run)."""
+
+    def __init__(self, vector: np.ndarray):
+        super().__init__("entered a cycle")
+        self.vector = vector
+
+
+class _Comm:
+    """The cache's communicator, as far as ``ResponseCache`` uses it before a cycle runs."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's name
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.size
+
+    def Iallreduce(self, vector, result, op):  # noqa: N802
+        raise EnteredCycle(np.array(vector))
+
+
+class _Clock:
+    """``time`` as ``response_cache`` reads it, within a schedule: the schedule's time."""
+
+    def __init__(self, world: "World"):
+        self.world = world
+
+    def monotonic(self) -> float:
+        return self.world.now
+
+
+class _Handle:
+    """A collective's handle, as ``drive()`` and ``CacheProtocol.holds`` see it."""
+
+    def __init__(self, rank: "Rank", name: str):
+        self.rank, self.name = rank, name
+
+    def done(self) -> bool:
+        return self.rank.handles.get(self.name) in ("done", "failed")
+
+
+class _Entry:
+    """A tensor-table entry, as the cache reads one (its cycle's payload data included)."""
+
+    op_type = pb.ALLREDUCE
+
+    def __init__(self, name: str, handle: _Handle):
+        self.name = self.cache_key = name
+        self.handle = handle
+        self.tensor = self
+
+    def numpy(self) -> np.ndarray:
+        return np.zeros(4, np.float32)
 
 
 @dataclasses.dataclass
 class Rank:
     rank: int
-    protocol: CacheProtocol
+    cache: ResponseCache
     script: List[tuple]
     pc: int = 0
     submitted: int = 0                       # names of the current step submitted so far
@@ -67,11 +132,16 @@ class Rank:
     thread_ended: bool = False
     joined: bool = False                     # waiting for the JOIN response
     join_submitted: bool = False
-    caller_waits_on: Optional[str] = None    # the training thread saw this hit pending and will drive a cycle
+    caller_waits_on: Optional[str] = None    # the training thread is in drive() for this handle
     caller_in_cycle: bool = False            # the training thread itself waits in the current cycle
+    waited: Set[str] = dataclasses.field(default_factory=set)  # handles of this step drive() returned on
     holds_gil: bool = False                  # in a blocking call that holds the GIL: no other thread runs
     gil_calls: int = 0                       # such calls entered (mpi4py's pickle-based allreduce)
     gone: bool = False                       # said goodbye: the process has exited
+
+    @property
+    def protocol(self):
+        return self.cache.protocol
 
     @property
     def busy_with(self) -> Optional[tuple]:
@@ -81,9 +151,14 @@ class Rank:
 class World:
     """Ranks, the coordinator's event log and the cycles of one schedule."""
 
-    def __init__(self, size: int, seed: int, capacity: int, steps: int, caller_rechecks: bool = True):
+    def __init__(self, size: int, seed: int, capacity: int = 3, steps: int = 8, names=NAMES,
+                 cache_class=ResponseCache):
+        """``capacity``: the slot table's; ``steps``: of each training script; ``names``: the
+        collectives' (each step takes 1-3 of them); ``cache_class``: ResponseCache, or a
+        variant of it whose rules are under test."""
         self.size = size
-        self.caller_rechecks = caller_rechecks  # False: the driver rule before the fix (see _drive_cycle)
+        self.names = tuple(names)
+        self.proposals = _proposals(self.names)
         self.seed = seed
         self.rng = random.Random(seed)
         self.now = 0.0
@@ -94,15 +169,56 @@ class World:
         self.cycles: Dict[int, Dict[int, np.ndarray]] = {}
         self.ready_by_cycle: Dict[int, Tuple[str, ...]] = {}
         self.trace: "collections.deque[tuple]" = collections.deque(maxlen=40)  # the last actions
-        self.ranks = [Rank(r, CacheProtocol(capacity), self._make_script(r, steps)) for r in range(size)]
+        self.fatal: List[BaseException] = []
+        self.evictions = 0
+        self.ranks = [Rank(r, self._make_cache(cache_class, r, capacity), self._make_script(r, steps))
+                      for r in range(size)]
         for rank in self.ranks:
             rank.protocol.last_activity = 0.0
+
+    def _make_cache(self, cache_class, r: int, capacity: int) -> ResponseCache:
+        cache = cache_class(_Comm(r, self.size), executor=None, capacity=capacity, fusion_threshold_bytes=64 << 20,
+                            cycle_time_s=0.001, negotiate=lambda requests: self._negotiated(r, requests),
+                            on_fatal=self.fatal.append)
+        insert = cache.protocol.table.insert
+
+        def counting_insert(proposal, cycle):
+            number, evicted = insert(proposal, cycle)
+            self.evictions += evicted is not None
+            return number, evicted
+
+        cache.protocol.table.insert = counting_insert
+        return cache
+
+    def _negotiated(self, r: int, requests) -> None:
+        """What the cache sends the coordinator: withdrawn hits (their requests are the names)
+        and ``CACHE_WAKE``."""
+        rank = self.ranks[r]
+        for request in requests:
+            if isinstance(request, pb.TensorRequest):
+                assert request.op_type == pb.CACHE_WAKE, request
+                self.events.append(("wake",))
+                continue
+            assert rank.handles[request] == "hit", (request, rank.handles)
+            rank.handles[request] = "negotiated"
+            self._request(r, request)
+
+    @contextlib.contextmanager
+    def _real_cache(self):
+        """Inside: ``response_cache`` reads the schedule's clock; a failed cycle fails the schedule."""
+        saved, response_cache.time = response_cache.time, _Clock(self)
+        try:
+            yield
+        finally:
+            response_cache.time = saved
+        if self.fatal:
+            raise self.failure(f"the response cache failed: {self.fatal[0]!r}")
 
     # ------------------------------------------------------------ scripts
     def _make_script(self, rank: int, steps: int) -> List[tuple]:
         """Every rank runs the same steps (Horovod's rule) in its own order, with its own extras."""
         rng = random.Random(self.seed * 1000 + 7)  # the steps' names: the same on every rank
-        plan = [rng.sample(NAMES, rng.randint(1, 3)) for _ in range(steps)]
+        plan = [rng.sample(self.names, rng.randint(1, min(3, len(self.names)))) for _ in range(steps)]
         everyone_joins = rng.random() < 0.3  # join() at the end, as every rank must once one joins
         gil_after = [rng.random() < 0.5 for _ in range(steps)]  # a plain mpi4py collective between steps
         own = random.Random(self.seed * 1000 + rank)
@@ -180,39 +296,44 @@ class World:
         return enabled
 
     def _caller_would_drive(self, rank: Rank) -> bool:
-        """The training thread waits on a hit of its step: it runs cycles itself (``drive``)."""
+        """The training thread has submitted its step and waits on a handle that is not done
+        and that it has not waited on yet: ``flush(handle)`` calls ``drive(handle)``."""
+        return self._awaited(rank) is not None
+
+    @staticmethod
+    def _awaited(rank: Rank) -> Optional[str]:
+        """The handle the training thread waits on next, if it will drive cycles for it."""
         op = rank.busy_with
-        return (op is not None and op[0] == "step" and rank.submitted == len(op[1])
-                and any(rank.handles[name] == "hit" for name in op[1]) and rank.protocol.has_hits()
-                and rank.protocol.phase.cycles)
+        if op is None or op[0] != "step" or rank.submitted < len(op[1]):
+            return None
+        return next((name for name in op[1] if rank.handles[name] not in ("done", "failed")
+                     and name not in rank.waited), None)
 
     def _drive_check(self, rank: Rank) -> None:
-        """``drive()`` looked: its handle is not done; it waits for the driver lock."""
-        rank.caller_waits_on = next(name for name in rank.busy_with[1] if rank.handles[name] == "hit")
+        """The caller calls ``drive()`` on its handle; it first needs the driver lock."""
+        rank.caller_waits_on = self._awaited(rank)
 
     def _drive_gives_up(self, rank: Rank) -> None:
-        """``drive()`` did not get the driver lock in time: the caller waits on its handle instead."""
+        """``drive()`` did not get the driver lock in time (the thread's cycle held it for
+        ``WITHDRAW_AFTER_S``): the caller waits on its handle instead."""
+        rank.waited.add(rank.caller_waits_on)
         rank.caller_waits_on = None
 
     def _drive_cycle(self, rank: Rank) -> None:
-        """``drive()`` has the driver lock: it runs a cycle only while the vector it makes holds
-        its hit (the hit may have run in the thread's cycle meanwhile, or be withdrawn by this
-        very vector as stale). ``caller_rechecks=False`` plays the rule before the fix: a
-        caller that had seen its hit pending ran the cycle whatever happened meanwhile."""
-        name, rank.caller_waits_on = rank.caller_waits_on, None
-        if not rank.protocol.phase.cycles:
-            return
-        if not self.caller_rechecks:
-            self._enter_cycle(rank)
+        """The caller has the driver lock: the real ``ResponseCache.drive(handle)`` goes round its
+        loop, guard and all, until it starts a cycle (the explorer enters the cycle with its
+        vector; after the cycle the caller goes on in drive()) or returns (the caller then
+        waits on its handle)."""
+        name = rank.caller_waits_on
+        try:
+            with self._real_cache():
+                rank.cache.drive(_Handle(rank, name))
+        except EnteredCycle as entered:
+            self._enter_cycle(rank, entered.vector)
             rank.caller_in_cycle = True
             return
-        if rank.handles[name] != "hit":
-            return
-        vector = rank.protocol.vector(self.now)
-        self._send_withdrawn(rank)
-        if rank.handles[name] == "hit":
-            self._enter_cycle(rank, vector)
-            rank.caller_in_cycle = True
+        rank.caller_waits_on = None
+        rank.waited.add(name)
 
     def _thread_would_act(self, rank: Rank) -> bool:
         protocol = rank.protocol
@@ -261,7 +382,7 @@ class World:
         if kind == "response":
             _, name, with_joined = event
             if not with_joined:
-                protocol.propose(PROPOSALS[name])
+                protocol.propose(self.proposals[name])
             if rank.handles.get(name) == "negotiated":
                 rank.handles[name] = "done"
                 rank.outstanding -= 1
@@ -280,9 +401,7 @@ class World:
 
     def _send_withdrawn(self, rank: Rank) -> None:
         for hit in rank.protocol.drain_withdrawn():
-            assert rank.handles[hit.entry] == "hit", (hit.entry, rank.handles)
-            rank.handles[hit.entry] = "negotiated"
-            self._request(rank.rank, hit.entry)
+            self._negotiated(rank.rank, hit.request_list())
 
     def _thread(self, rank: Rank) -> None:
         protocol = rank.protocol
@@ -293,13 +412,17 @@ class World:
         elif step is Step.WAIT:
             if protocol.wake_needed():
                 self.events.append(("wake",))
-        else:
-            self._enter_cycle(rank)
+        else:  # the thread's cycle: the real ResponseCache._cycle makes the vector and starts it
+            try:
+                with self._real_cache():
+                    started = rank.cache._cycle(urgent=protocol.has_work())
+            except EnteredCycle as entered:
+                self._enter_cycle(rank, entered.vector)
+                return
+            raise self.failure(f"rank {rank.rank}: the cache's cycle did not start (returned {started}) "
+                               f"although next_step() said CYCLE")
 
-    def _enter_cycle(self, rank: Rank, vector: Optional[np.ndarray] = None) -> None:
-        if vector is None:
-            vector = rank.protocol.vector(self.now)
-            self._send_withdrawn(rank)
+    def _enter_cycle(self, rank: Rank, vector: np.ndarray) -> None:
         number = rank.cycles_entered
         rank.cycles_entered += 1
         entered = self.cycles.setdefault(number, {})
@@ -339,13 +462,15 @@ class World:
                 name = names[rank.submitted]
                 rank.submitted += 1
                 rank.outstanding += 1
-                if protocol.take(name, Hit(name, [name], self.now)):
-                    rank.handles[name] = "hit"
-                else:
+                rank.handles[name] = "hit"  # as the frontend: in the table before the cache takes it
+                with self._real_cache():
+                    taken = rank.cache.take(_Entry(name, _Handle(rank, name)), [name])
+                if not taken:
                     rank.handles[name] = "negotiated"
                     self._request(rank.rank, name)
                 return
             rank.submitted = 0
+            rank.waited = set()
         elif op[0] == "switch":
             protocol.enabled = not protocol.enabled
         elif op[0] == "gil_allreduce":

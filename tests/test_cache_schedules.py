@@ -1,11 +1,12 @@
 """The response cache's cycle protocol under thousands of random schedules (tests/cache_schedules.py).
 
-Each schedule runs 2-8 simulated ranks with the real ``CacheProtocol`` through training
-steps, pauses around the dormancy delay, the cache switched off and on, joins, shutdown,
-training threads that run cycles themselves and plain mpi4py collectives that hold the
-GIL between steps, in a seeded random interleaving; it passes if every rank runs its
-script to the end without waiting in a cycle that another rank never enters. A failure
-names the seed: ``World(size, seed, ...).run()`` replays it.
+Each schedule runs 2-8 simulated ranks, each with the real ``CacheProtocol`` inside a real
+``ResponseCache`` (its ``take``, its thread's ``_cycle`` and its callers' ``drive`` with the
+guard), through training steps, pauses around the dormancy delay, the cache switched off and
+on, joins, shutdown, training threads that run cycles themselves and plain mpi4py
+collectives that hold the GIL between steps, in a seeded random interleaving; it passes if
+every rank runs its script to the end without waiting in a cycle that another rank never
+enters. A failure names the seed: ``World(size, seed, ...).run()`` replays it.
 
 ``RINGMASTER_SCHEDULES=N`` explores N schedules per rank count in the long test.
 """
@@ -14,46 +15,60 @@ import os
 
 import pytest
 
-from cache_schedules import ScheduleFailure, World
+from cache_schedules import NAMES, ScheduleFailure, World
+from ringmaster.worker.runtime.response_cache import ResponseCache
 
-QUICK_SCHEDULES = 300  # per rank count: 2,100 in the normal run
+QUICK_SCHEDULES = 200  # per rank count: 1,400 in the normal run
 
 
-def explore(sizes, schedules, first_seed=0):
-    actions = 0
+def explore(sizes, schedules, first_seed=0, capacity=3, steps=8, names=NAMES):
+    """Run the schedules; (actions taken, slots evicted) over all of them."""
+    actions = evictions = 0
     for size in sizes:
         for seed in range(first_seed, first_seed + schedules):
-            actions += World(size, seed, capacity=3, steps=8).run()
-    return actions
+            world = World(size, seed, capacity=capacity, steps=steps, names=names)
+            actions += world.run()
+            evictions += world.evictions
+    return actions, evictions
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_no_schedule_leaves_a_rank_in_a_cycle_another_never_enters():
-    actions = explore(range(2, 9), QUICK_SCHEDULES)
+    actions, evictions = explore(range(2, 9), QUICK_SCHEDULES)
     assert actions > 100 * 7 * QUICK_SCHEDULES  # the schedules did run their scripts
+    assert evictions > 7 * QUICK_SCHEDULES  # 5 names in 3 slots: evictions, and hits withdrawn by them
+
+
+class WithoutTheGuard(ResponseCache):
+    """``drive()`` as it is with its fix reverted (``needed=lambda: self.protocol.holds(handle)``
+    dropped): a caller runs a cycle whether or not the vector it made still holds its hit."""
+
+    def _guarded_cycle(self, urgent, needed=None):
+        return super()._guarded_cycle(urgent)
 
 
 @pytest.mark.timeout(60)
-def test_the_explorer_finds_the_hang_of_the_caller_rule_before_the_fix():
-    """Before the fix, a training thread that had seen its hit pending ran a cycle once it had
-    the driver lock, even if the hit had run (or was withdrawn) meanwhile; a rank that had moved
-    on to a call holding its GIL then never entered that cycle. Seed 4 at 2 ranks: rank 1's
-    thread runs the hit's cycle, rank 0 moves on to mpi4py's allreduce, rank 1's caller enters
-    one more cycle and waits there for ever."""
+def test_the_explorer_finds_the_hang_of_a_caller_cycle_without_the_guard():
+    """Without the guard, a training thread whose hit was withdrawn (evicted, stale, a join)
+    still runs a cycle; a rank that has moved on to a call holding its GIL never enters it.
+    Seed 1 at 2 ranks: one rank's caller waits in a cycle nobody else enters."""
     with pytest.raises(ScheduleFailure, match="no action can be taken"):
-        World(2, 4, capacity=3, steps=8, caller_rechecks=False).run()
+        World(2, 1, cache_class=WithoutTheGuard).run()
+    World(2, 1).run()  # with the guard, the same schedule ends
     failures = 0
-    for seed in range(100):
+    for seed in range(60):
         try:
-            World(3, seed, capacity=3, steps=8, caller_rechecks=False).run()
+            World(3, seed, cache_class=WithoutTheGuard).run()
         except ScheduleFailure:
             failures += 1
-    assert failures > 5  # found often, not by one lucky seed
+    assert failures > 3  # found often, not by one lucky seed
 
 
-@pytest.mark.timeout(120)
-def test_a_large_slot_table_and_long_scripts():
-    explore((2, 5, 8), 60, first_seed=10_000)
+@pytest.mark.timeout(150)
+def test_a_slot_table_large_enough_that_nothing_is_evicted_and_long_scripts():
+    names = tuple(f"t{i}" for i in range(12))
+    actions, evictions = explore((2, 5, 8), 25, first_seed=10_000, capacity=16, steps=24, names=names)
+    assert evictions == 0 and actions > 3 * 25 * 300
 
 
 @pytest.mark.timeout(3600)
