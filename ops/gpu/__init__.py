@@ -1,9 +1,9 @@
 """Collectives on GPU buffers: one transport per placement of ranks on GPUs.
 
 A *transport* moves and reduces CuPy arrays that live on this rank's GPU, for one
-communicator. Every transport offers the same in-place / caller-allocated interface
-(:class:`~ringmaster.ops.gpu.base.DeviceTransport`), so the worker's executor picks one
-per communicator and never branches on it again:
+communicator. Every transport implements :class:`ringmaster.ops.transport.Transport` (as
+the host's does), so the worker's executor picks one per communicator and never branches
+on it again. They are opened by name from :data:`TRANSPORT_CLASSES`:
 
 * ``nccl`` (:mod:`.nccl`): CuPy's NCCL communicator on the background stream; every rank
   needs a GPU of its own (NCCL refuses two ranks on one GPU).
@@ -25,9 +25,30 @@ function, tested on CPU); ``RINGMASTER_GPU_TRANSPORT`` forces one. Importing thi
 does not import CuPy: a CPU-only user never needs it.
 """
 
+import importlib
+
 from .placement import TRANSPORTS, Placement, TransportChoice, choose_hierarchical, choose_transport
 
-__all__ = ["TRANSPORTS", "Placement", "TransportChoice", "choose_hierarchical", "choose_transport", "open_transport"]
+__all__ = ["TRANSPORTS", "TRANSPORT_CLASSES", "Placement", "TransportChoice", "choose_hierarchical",
+           "choose_transport", "open_transport"]
+
+#: Each transport's class, by name ("module:Class" in this package, imported when first
+#: opened: a CPU-only user never imports CuPy). Its names are the setting's choices but "auto".
+TRANSPORT_CLASSES = {
+    "nccl": "nccl:NcclTransport",
+    "ipc": "ipc:IpcTransport",
+    "mpi": "cuda_mpi:CudaMpiTransport",
+    "staged": "staged:StagedTransport",
+}
+
+
+def transport_class(name: str) -> type:
+    """The class of transport ``name`` (ValueError naming the choices if there is none)."""
+    where = TRANSPORT_CLASSES.get(name)
+    if where is None:
+        raise ValueError(f"unknown GPU transport {name!r}; use one of {', '.join(TRANSPORT_CLASSES)}")
+    module, cls = where.split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
 def open_transport(name: str, comm, stream, device_id: int):
@@ -35,14 +56,4 @@ def open_transport(name: str, comm, stream, device_id: int):
 
     ``stream`` is the CuPy stream the caller's work is ordered on (the background thread's).
     """
-    if name == "nccl":
-        from .nccl import NcclTransport as transport
-    elif name == "ipc":
-        from .ipc import IpcTransport as transport
-    elif name == "mpi":
-        from .cuda_mpi import CudaMpiTransport as transport
-    elif name == "staged":
-        from .staged import StagedTransport as transport
-    else:
-        raise ValueError(f"unknown GPU transport {name!r}; use one of {', '.join(TRANSPORTS)}")
-    return transport(comm, stream, device_id)
+    return transport_class(name)(comm, stream, device_id)

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 import torch
 
-from ringmaster import ops
+from ringmaster.ops.transport import HostTransport, Transport
 from ringmaster.worker.runtime import hierarchy
 from ringmaster.worker.runtime.hierarchy import Hierarchy
 from ringmaster.worker.runtime.tensors import byte_array, flat_array
@@ -70,49 +70,15 @@ def _tensors_in(value):
             yield from _tensors_in(item)
 
 
-class HostTransport:
-    """The host collectives of ``ringmaster.ops`` behind the transports' interface (NumPy arrays)."""
-
-    name = "host"
-
-    def __init__(self, comm, segment_bytes: int, hierarchy: Optional[Hierarchy] = None):
-        self.comm = comm
-        self.segment_bytes = segment_bytes
-        self.hierarchy = hierarchy  # RINGMASTER_HIERARCHICAL_ALLREDUCE: big allreduces go through the hosts
-
-    def span_label(self, algorithm: str) -> str:
-        if self.hierarchy is not None and algorithm == "ring":
-            return "HIERARCHICAL_ALLREDUCE"
-        return f"{algorithm.upper()}_ALLREDUCE"
-
-    def allreduce(self, array, op="sum", scale=None, algorithm="auto", source=None) -> None:
-        if self.hierarchy is not None and hierarchy.use_for(algorithm, array, self.comm.Get_size(), op):
-            if source is not None:
-                np.copyto(array, source)
-            self.hierarchy.allreduce(array, op, scale=scale, segment_bytes=self.segment_bytes)
-            return
-        ops.allreduce(self.comm, array, op, algorithm, source=source, scale=scale, segment_bytes=self.segment_bytes)
-
-    def quantized_allreduce(self, array, codec, scale=None) -> None:
-        ops.quantized_ring_allreduce(self.comm, array, codec, scale=scale)
-
-    def adasum_allreduce(self, array, edges, wire=None) -> None:
-        ops.adasum_allreduce(self.comm, array, edges, wire)
-
-    def allgatherv(self, send, recv, counts) -> None:
-        recv[:] = ops.allgatherv(self.comm, send, counts)
-
-    def broadcast(self, array, root: int) -> None:
-        ops.broadcast(self.comm, array, root)
-
-    def alltoallv(self, send, recv, send_counts, recv_counts) -> None:
-        recv[:] = ops.alltoallv(self.comm, send, send_counts, recv_counts)
-
-    def reducescatter(self, array, recv, op, counts) -> None:
-        recv[:] = ops.reducescatter(self.comm, array, op, counts)
-
-    def close(self) -> None:
-        pass
+def _host_transport(comm, segment_bytes: int, hosts: Optional[Hierarchy]) -> HostTransport:
+    """The host transport of ``comm``; with ``hosts``, its big allreduces go through the hosts."""
+    if hosts is None:
+        return HostTransport(comm, segment_bytes)
+    size = comm.Get_size()
+    return HostTransport(
+        comm, segment_bytes,
+        hierarchical=lambda array, op, scale, segment: hosts.allreduce(array, op, scale=scale, segment_bytes=segment),
+        through_hosts=lambda array, op, algorithm: hierarchy.use_for(algorithm, array, size, op))
 
 
 class HostDevice:
@@ -150,8 +116,8 @@ class HostDevice:
     def transport(self, group) -> HostTransport:
         transport = self._transports.get(id(group.comm))
         if transport is None:
-            transport = self._transports[id(group.comm)] = HostTransport(group.comm, self._segment_bytes,
-                                                                         self.hierarchies.get(id(group.comm)))
+            transport = self._transports[id(group.comm)] = _host_transport(group.comm, self._segment_bytes,
+                                                                           self.hierarchies.get(id(group.comm)))
         return transport
 
     def forget(self, comm) -> None:
@@ -180,7 +146,7 @@ class CudaDevice:
         with torch.cuda.device(self.device):
             self.stream = torch.cuda.Stream(self.device)
         self._cupy_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream, device_index)
-        self._transports: Dict[int, object] = {}
+        self._transports: Dict[int, Transport] = {}
 
     @contextlib.contextmanager
     def scope(self):
@@ -216,7 +182,7 @@ class CudaDevice:
 
     new_result = empty  # torch's caching allocator already reuses device memory
 
-    def transport(self, group):
+    def transport(self, group) -> Transport:
         """The transport of ``group``'s communicator, made at its first CUDA collective (collective)."""
         transport = self._transports.get(id(group.comm))
         if transport is None:
