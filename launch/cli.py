@@ -15,6 +15,7 @@ remove temporary files.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import secrets
 import shlex
@@ -23,6 +24,8 @@ import signal
 import sys
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence
+
+from ringmaster.common.config import Config
 
 from .command import check_command, normalize_command
 from .coordinator_process import CoordinatorProcess
@@ -39,6 +42,8 @@ from .output import OutputRelay
 from .setting_flags import FLAG_SETTINGS, add_setting_flags
 from .slurm import SlurmAllocation, slurm_allocation
 from .workdir import make_workdir, remove_stale_workdirs
+
+START_TIMEOUT = "RINGMASTER_START_TIMEOUT"
 
 PROG = "ringrun"
 
@@ -199,6 +204,14 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str]) -> JobPlan:
 
     tuning = tuning_environment({dest: getattr(args, dest) for dest in FLAG_SETTINGS}, verbose=args.verbose)
     base_env = base_environment(environ, tuning)
+    if oversubscribe and START_TIMEOUT not in base_env:
+        shared = math.ceil(num_proc / max(1, total_slots(hosts)))
+        if shared > 1:
+            # Ranks that share cores start that much slower (each imports torch); 30 s was too
+            # short for 8 ranks on 2 busy cores (2 of 19 runs of bench/small_collectives.py).
+            base_env[START_TIMEOUT] = f"{Config.start_timeout_s * shared:g}"
+            notes.append(f"start timeout {base_env[START_TIMEOUT]} s ({shared} ranks a core; "
+                         f"{START_TIMEOUT} or --start-timeout sets it)")
     config = validated_config(base_env)
     mpi = detect_mpi(find_mpirun())
     address = coordinator_address(hosts, args.network_interface)

@@ -404,7 +404,16 @@ def test_np_beyond_the_cores_runs_on_this_host_as_horovodrun_does(monkeypatch):
     cores = os.cpu_count()
     plan = cli.plan_job(parse_args(["-np", str(cores + 2), sys.executable, "-c", "pass"]), {"PATH": "/bin"})
     assert plan.num_proc == cores + 2 and plan.spec.oversubscribe
-    assert plan.notes == [f"{cores + 2} ranks on this machine's {cores} core(s): ranks share cores"]
+    # ranks sharing cores start slower: the start timeout grows with the ranks per core
+    assert plan.notes == [f"{cores + 2} ranks on this machine's {cores} core(s): ranks share cores",
+                          "start timeout 60 s (2 ranks a core; RINGMASTER_START_TIMEOUT or --start-timeout sets it)"]
+    assert plan.start_timeout == 60 and plan.base_env["RINGMASTER_START_TIMEOUT"] == "60"
+    mine = cli.plan_job(parse_args(["-np", str(cores + 2), sys.executable, "-c", "pass"]),
+                        {"PATH": "/bin", "RINGMASTER_START_TIMEOUT": "12"})
+    assert mine.start_timeout == 12 and len(mine.notes) == 1  # the user's own value stands
+    flag = cli.plan_job(parse_args(["-np", str(cores + 2), "--start-timeout", "15", sys.executable, "-c", "pass"]),
+                        {"PATH": "/bin"})
+    assert flag.start_timeout == 15
     assert "--oversubscribe" in build_command(OMPI5, plan.spec)
     within = cli.plan_job(parse_args(["-np", "1", sys.executable, "-c", "pass"]), {"PATH": "/bin"})
     assert not within.spec.oversubscribe and within.notes == []
