@@ -2,22 +2,22 @@
 
 Started by ``ringrun`` (or by rank 0 under plain ``mpirun``). The job token comes from
 ``RINGMASTER_SECRET`` in the environment, never from the command line, where ``ps``
-would show it. Once listening, the daemon writes ``host:port`` to ``--address-file``.
+would show it. Once listening, the daemon writes ``host:port`` to ``--address-file``. Its
+start (configuration, logging, token, address file, standard input) is every daemon's:
+``ringmaster.common.daemon``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import logging
-import os
 import signal
 import sys
 import threading
 import time
 
-from ringmaster.common.config import ConfigError, load_config
+from ringmaster.common.config import Config
+from ringmaster.common.daemon import on_stdin_eof, refuse, run_daemon, write_address
 from ringmaster.coordinator.server import Coordinator
 
 
@@ -57,43 +57,20 @@ def report_abort(path: str, kind: int, reason: str, failed_rank: int, failed_hos
                          "reason": reason, "failed_rank": failed_rank, "failed_host": failed_host})
 
 
-def write_address(path: str, address: str) -> None:
-    """Write atomically, so a reader never sees half an address."""
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as handle:
-        handle.write(address + "\n")
-    os.replace(temporary, path)
-
-
-def _drop_cancelled_streams(record: logging.LogRecord) -> bool:
-    """gRPC logs a traceback for every stream still open when the server stops (its handler is
-    cancelled): that is how the coordinator ends, after an abort too, not an error."""
-    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        config = load_config()
-    except ConfigError as error:
-        print(f"ringmaster coordinator: error: {error}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=config.log_level, stream=sys.stderr,
-                        format="[coordinator] ringmaster %(levelname)s: %(message)s")
-    logging.getLogger("grpc._cython.cygrpc").addFilter(_drop_cancelled_streams)
-    if not config.secret:
-        print("ringmaster coordinator: error: RINGMASTER_SECRET is not set; the coordinator refuses to "
-              "run without a job token", file=sys.stderr)
-        return 2
+    return run_daemon("coordinator", "coordinator", lambda config: serve(args, config))
+
+
+def serve(args: argparse.Namespace, config: Config) -> int:
+    """Run the coordinator until the job is over or the daemon is told to stop."""
     if args.size < 1:
-        print(f"ringmaster coordinator: error: --size must be >= 1, got {args.size}", file=sys.stderr)
-        return 2
+        return refuse("coordinator", f"--size must be >= 1, got {args.size}")
     try:
         coordinator = Coordinator(args.size, config.secret, config, args.bind, args.port,
                                   persistent=args.persistent, elastic=args.elastic).start()
     except OSError as error:
-        print(f"ringmaster coordinator: error: cannot listen on {args.bind}:{args.port}: {error}", file=sys.stderr)
-        return 1
+        return refuse("coordinator", f"cannot listen on {args.bind}:{args.port}: {error}", status=1)
     if args.report_file:
         coordinator.on_abort = lambda *abort: report_abort(args.report_file, *abort)
         coordinator.on_welcome = lambda size: append_report(
@@ -113,14 +90,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     if args.exit_on_stdin_eof:
-        def watch_stdin():
-            try:  # raw reads: a buffered reader's lock would trip interpreter shutdown
-                while os.read(sys.stdin.fileno(), 4096):
-                    pass
-            except (OSError, ValueError):
-                pass
-            stop_requested.set()
-        threading.Thread(target=watch_stdin, name="ringmaster-stdin-watch", daemon=True).start()
+        on_stdin_eof(stop_requested.set)
     while not (coordinator.finished.is_set() or stop_requested.wait(0.2)):
         pass
     coordinator.stop(grace=0.5 if stop_requested.is_set() else 2.0)  # 2 s lets abort messages reach the ranks

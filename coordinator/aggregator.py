@@ -38,12 +38,14 @@ from typing import Dict, Optional
 import grpc
 
 from ringmaster.common import keepalive
-from ringmaster.common.config import ConfigError, load_config
+from ringmaster.common.config import Config
+from ringmaster.common.daemon import on_stdin_eof, run_daemon, write_address
 from ringmaster.common.message_size import grpc_options, split_by_size
 from ringmaster.coordinator.auth import TokenInterceptor, call_metadata
-from ringmaster.coordinator.host_links import coalesced
+from ringmaster.coordinator.health import process_runs
 from ringmaster.coordinator.host_merge import HOLD_S, HostMerge
 from ringmaster.coordinator.sessions import SERVICE
+from ringmaster.coordinator.stream_writer import CLOSE, coalesced, write_outbox
 from ringmaster.proto import ringmaster_pb2 as pb
 
 log = logging.getLogger("ringmaster.aggregator")
@@ -54,7 +56,6 @@ NEGOTIATE_HOST = f"/{SERVICE}/NegotiateHost"
 #: by default): the lists of a host's ranks reached the aggregator up to ~5 ms apart in
 #: bench/control_plane.py on 2 busy cores; sent as they came, they were 5-7 messages a step.
 BATCH_CYCLES = 4
-_CLOSE = object()
 
 
 class LocalStream:
@@ -257,14 +258,7 @@ class HostAggregator:
             self._upstream_lost(self._lost)
         reader = asyncio.ensure_future(self._read_local(stream, request_iterator))
         try:
-            while True:
-                item = await stream.outbox.get()
-                if item is _CLOSE:
-                    return
-                try:
-                    await context.write(item)
-                except Exception:  # noqa: BLE001 - the rank went away mid-write
-                    return
+            await write_outbox(stream.outbox, context)
         finally:
             reader.cancel()
             await self._local_ended(stream)
@@ -313,14 +307,12 @@ class HostAggregator:
     def _close(self, stream: LocalStream) -> None:
         if not stream.closed:
             stream.closed = True
-            stream.outbox.put_nowait(_CLOSE)
+            stream.outbox.put_nowait(CLOSE)
 
 
 def _why_ended(stream: LocalStream) -> str:
     """What the end of a rank's stream says about the rank, whose process runs on this host."""
-    from ringmaster.coordinator.server import _process_runs
-
-    alive = _process_runs(stream.pid) if stream.pid > 0 else None
+    alive = process_runs(stream.pid) if stream.pid > 0 else None
     if alive is False:
         return "its process has exited (it crashed or was killed)"
     if alive:
@@ -344,13 +336,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def _run(args, config) -> int:
+async def _run(args, config: Config) -> int:
     aggregator = HostAggregator(args.upstream, config.secret, config.max_message_bytes, args.bind,
                                 args.hold_ms / 1e3, config.cycle_time_ms / 1e3)
     await aggregator.start()
     if args.address_file:
-        from ringmaster.coordinator.__main__ import write_address
-
         write_address(args.address_file, aggregator.address)
     else:
         print(aggregator.address, flush=True)
@@ -362,7 +352,7 @@ async def _run(args, config) -> int:
             aggregator.stdin_closed = True
             if aggregator.idle() or aggregator._served == 0:
                 aggregator.finished.set()
-        loop.run_in_executor(None, _wait_for_eof, loop, stdin_closed)
+        on_stdin_eof(lambda: _call_soon(loop, stdin_closed))
     started = time.monotonic()
     while not aggregator.finished.is_set():
         try:
@@ -381,28 +371,17 @@ async def _run(args, config) -> int:
     return 0
 
 
-def _wait_for_eof(loop, callback) -> None:
+def _call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
     try:
-        while os.read(sys.stdin.fileno(), 4096):
-            pass
-    except (OSError, ValueError):
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:  # the loop is closed: the aggregator has ended already
         pass
-    loop.call_soon_threadsafe(callback)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        config = load_config()
-    except ConfigError as error:
-        print(f"ringmaster host aggregator: error: {error}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=config.log_level, stream=sys.stderr,
-                        format=f"[aggregator {socket.gethostname()}] ringmaster %(levelname)s: %(message)s")
-    if not config.secret:
-        print("ringmaster host aggregator: error: RINGMASTER_SECRET is not set", file=sys.stderr)
-        return 2
-    return asyncio.run(_run(args, config))
+    return run_daemon("host aggregator", f"aggregator {socket.gethostname()}",
+                      lambda config: asyncio.run(_run(args, config)))
 
 
 if __name__ == "__main__":

@@ -30,11 +30,10 @@ import grpc
 
 from ringmaster.common.message_size import KNOB
 from ringmaster.coordinator.sessions import RankSession
+from ringmaster.coordinator.stream_writer import CLOSE, write_outbox
 from ringmaster.proto import ringmaster_pb2 as pb
 
 log = logging.getLogger("ringmaster.coordinator")
-
-_CLOSE = object()  # tells a host stream's handler to end it
 
 
 class HostLink:
@@ -58,7 +57,7 @@ class HostLink:
         self.outbox.put_nowait(message)
 
     def close(self) -> None:
-        self.outbox.put_nowait(_CLOSE)
+        self.outbox.put_nowait(CLOSE)
 
     def session(self, stream: int, on_new) -> Optional["HostedSession"]:
         """The session of stream number ``stream``, made (and passed to ``on_new``) on its first
@@ -136,38 +135,11 @@ async def serve_host_stream(coordinator, link: HostLink, request_iterator, conte
     """The ``NegotiateHost`` call: read the aggregator's messages while writing its outbox."""
     reader = asyncio.ensure_future(read_host_stream(coordinator, link, request_iterator))
     try:
-        async for data in coalesced(link.outbox, coordinator.config.max_message_bytes):
-            link.unread_bytes -= len(data)
-            try:
-                await context.write(data)
-            except Exception:  # noqa: BLE001 - the aggregator went away mid-write
-                return
+        await write_outbox(link.outbox, context, counted=link, coalesce_limit=coordinator.config.max_message_bytes)
     finally:
         reader.cancel()
         link_ended(coordinator, link, "its host aggregator's stream to the coordinator ended (the aggregator "
                                       "process died, or its host or the network failed)")
-
-
-async def coalesced(outbox: "asyncio.Queue", limit: int, end=_CLOSE):
-    """The messages to write, until ``end`` is queued: what queued up while the last write went
-    out goes as one message of up to ``limit`` bytes, since serialized HostDownstreams (and
-    HostUpstreams) concatenate. At 1,024 ranks, one write per response list and host was a
-    fifth of the coordinator's time."""
-    carried = None
-    while True:
-        item = carried if carried is not None else await outbox.get()
-        carried = None
-        if item is end:
-            return
-        parts, size = [item], len(item)
-        while not outbox.empty():
-            item = outbox.get_nowait()
-            if item is end or size + len(item) > limit:
-                carried = item
-                break
-            parts.append(item)
-            size += len(item)
-        yield b"".join(parts)
 
 
 async def read_host_stream(coordinator, link: HostLink, request_iterator) -> None:
@@ -175,7 +147,7 @@ async def read_host_stream(coordinator, link: HostLink, request_iterator) -> Non
         async for raw in request_iterator:
             if not receive_host_message(coordinator, link, raw):
                 break
-            coordinator._after_input()
+            coordinator.after_input()
     except (grpc.RpcError, asyncio.CancelledError):
         pass
     except Exception as error:  # noqa: BLE001 - a coordinator bug: described, never a silent hang
@@ -211,7 +183,7 @@ def receive_host_message(coordinator, link: HostLink, raw: bytes) -> bool:
                 link.forget(session)
                 coordinator.on_disconnect(session)
             else:
-                coordinator._handle(session, hosted.message)
+                coordinator.handle(session, hosted.message)
         elif not _receive_merged(coordinator, link, hosted, now):
             return False
         if link.gone:
@@ -237,8 +209,7 @@ def _receive_merged(coordinator, link: HostLink, hosted: pb.HostedMessage, now: 
         return True  # the job is ending for one of them: nothing to negotiate
     for session in sessions:
         session.last_seen, session.silent_since = now, None
-    coordinator._generation.negotiator.add_merged([session.rank for session in sessions],
-                                                  hosted.message.requests.requests)
+    coordinator.add_merged([session.rank for session in sessions], hosted.message.requests.requests)
     return True
 
 
@@ -255,4 +226,4 @@ def link_ended(coordinator, link: HostLink, why: str) -> None:
     link.close()
 
 
-__all__ = ["HostLink", "HostedSession", "coalesced", "send_to_each", "serve_host_stream"]
+__all__ = ["HostLink", "HostedSession", "send_to_each", "serve_host_stream"]

@@ -3,9 +3,12 @@
 The loop reads every rank's stream, feeds the
 :class:`~ringmaster.coordinator.negotiation.Negotiator`, and writes the same numbered
 response lists to every rank, with no thread hand-offs on the way (each costs a rank
-hundreds of microseconds per collective). A housekeeping task on the same loop watches
-heartbeats, stalls and the start timeout. The loop runs on its own thread, so the daemon
-can also live inside another process (tests, or a rank-0 coordinator).
+hundreds of microseconds per collective). A housekeeping task on the same loop watches the
+start timeout, and asks :mod:`ringmaster.coordinator.health` about heartbeats and stalls.
+Host aggregators' streams are served by :mod:`ringmaster.coordinator.host_links` through
+:meth:`Coordinator.handle`, :meth:`Coordinator.add_merged` and :meth:`Coordinator.after_input`.
+The loop runs on its own thread, so the daemon can also live inside another process (tests,
+or a rank-0 coordinator).
 
 It trusts nothing it is sent. A message over the size limit, bytes that do not decode, a
 second registration, or a registration for a rank the stream does not hold are protocol
@@ -20,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
-import socket
 import threading
 import time
 from typing import Dict, Optional, Sequence, Set
@@ -32,15 +33,11 @@ from ringmaster.common.config import Config
 from ringmaster.common import keepalive
 from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.coordinator.auth import TokenInterceptor
+from ringmaster.coordinator import health
 from ringmaster.coordinator.generation import Generation
 from ringmaster.coordinator.host_links import HostLink, HostedSession, link_ended, send_to_each, serve_host_stream
-from ringmaster.coordinator.negotiation import Stall
 from ringmaster.coordinator.outgoing import response_lists
 from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
-from ringmaster.coordinator.stall_report import in_set as _in_set
-from ringmaster.coordinator.stall_report import shutdown_reason, stall_key, warning_lines
-from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
-from ringmaster.coordinator.cache_stalls import describe_slow as describe_slow_cache_cycle
 from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown, tuning_problem
 from ringmaster.proto import ringmaster_pb2 as pb
 
@@ -180,7 +177,7 @@ class Coordinator:
                 self._receive(session, raw)
                 if session.gone or session.closing:
                     return
-                self._after_input()
+                self.after_input()
         except (grpc.RpcError, asyncio.CancelledError):
             pass
         except Exception as error:  # noqa: BLE001 - a coordinator bug: described, never a silent hang
@@ -207,9 +204,10 @@ class Coordinator:
             self._breach(session, f"sent {len(raw)} bytes that do not decode as a RankMessage "
                          f"({type(error).__name__}: {error})")
             return
-        self._handle(session, message)
+        self.handle(session, message)
 
-    def _handle(self, session: RankSession, message: pb.RankMessage) -> None:
+    def handle(self, session: RankSession, message: pb.RankMessage) -> None:
+        """One decoded message of a rank's stream (direct, or through its host's aggregator)."""
         which = message.WhichOneof("kind")
         if which == "register":
             self._on_register(session, message.register)
@@ -243,7 +241,12 @@ class Coordinator:
         elif which == "tuning":
             self._on_tuning(session, message.tuning)
 
-    def _after_input(self) -> None:
+    def add_merged(self, ranks: Sequence[int], requests: Sequence[pb.TensorRequest]) -> None:
+        """Requests that every rank of ``ranks`` declared with the same bytes (a host aggregator
+        merged them); the caller checked that the ranks are registered and still in the job."""
+        self._generation.negotiator.add_merged(ranks, requests)
+
+    def after_input(self) -> None:
         """Send what is ready, or, while other tensors are still arriving, wait one cycle to fuse."""
         if not self._generation.negotiator.has_ready():
             return
@@ -322,7 +325,7 @@ class Coordinator:
             return
         session.gone = True
         if self._needs(session):
-            why = getattr(session, "end_reason", None) or _why_a_stream_ended(session)
+            why = getattr(session, "end_reason", None) or health.why_a_stream_ended(session)
             self._abort_job(pb.RANK_FAILED, f"{session.describe()} lost its connection to the coordinator "
                             f"without shutting down: {why}", session.rank, session.hostname)
         elif session.said_goodbye and self._sessions.get(session.rank) is session:
@@ -426,24 +429,12 @@ class Coordinator:
             now = time.monotonic()
             late, last = now - last - tick, now
             if late > max(1.0, tick):
-                self._excuse_silence(late)
+                health.excuse_silence(self._sessions, late)
             if not self.finished.is_set():
                 self._check_health()
 
-    def _excuse_silence(self, late_s: float) -> None:
-        """This loop did not run for ``late_s`` (an overloaded host, the process stopped): the
-        ranks' messages of that time may still wait unread, so their silence does not count.
-
-        Without this, the first tick after such a pause found every rank silent and aborted
-        the job blaming a rank that was alive (seen with 8 ranks on 2 busy cores: "rank 5 sent
-        no heartbeat for 53 s" with a 15 s limit, i.e. the check itself ran 38 s late).
-        """
-        log.warning("the coordinator did not run for %.1f s (its host is overloaded?); the ranks' silence in "
-                    "that time is not counted against their heartbeats", late_s)
-        for session in self._sessions.values():
-            session.last_seen += late_s
-
     def _check_health(self) -> None:
+        """Streams that never registered, the start timeout, then the job's health (coordinator/health.py)."""
         now = time.monotonic()
         self._refusals.tick()
         for session in [s for s in self._unregistered if now - s.opened > self.config.start_timeout_s]:
@@ -458,158 +449,9 @@ class Coordinator:
                                 f"--start-timeout); check that every rank was started and can reach "
                                 f"{self.address}{refused}")
             return
-        for session in list(self._sessions.values()):
-            if now - session.last_seen > self.config.heartbeat_timeout_s:
-                silent_s = now - session.last_seen
-                if session.silent_since is not None:
-                    silent_s = now - session.silent_since
-                state = _process_state(session) if session.pid > 0 else None
-                limit_s = LIVE_SILENCE_FACTOR * self.config.heartbeat_timeout_s
-                if state in _LIVE_STATES and silent_s > limit_s:
-                    self._abort_job(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for {silent_s:.0f} s "
-                                    f"although its process runs (state {state}): none of its Python threads has run "
-                                    f"for that long, so one holds the GIL in a call that does not return (or the "
-                                    f"host never schedules them); the limit is {LIVE_SILENCE_FACTOR} x "
-                                    f"RINGMASTER_HEARTBEAT_TIMEOUT_S", session.rank, session.hostname)
-                    return
-                if state in _LIVE_STATES:
-                    # Its process runs: its threads do not get the CPU. The job goes on (one
-                    # warning per silence) until the limit above.
-                    if session.silent_since is None:
-                        session.silent_since = session.last_seen
-                        log.warning("%s sent no heartbeat for %.0f s, but its process is running (state %s): its "
-                                    "threads do not get the CPU (far more busy threads than cores?); the job goes on "
-                                    "for up to %.0f s", session.describe(), silent_s, state, limit_s)
-                    session.last_seen = now
-                    continue
-                why = {"T": "it is stopped (SIGSTOP, or a debugger holds it)",
-                       "t": "it is stopped (SIGSTOP, or a debugger holds it)",
-                       "Z": "its process has exited", "X": "its process has exited",
-                       "gone": "its process has exited"}.get(state, "it hangs or its host is unreachable")
-                self._abort_job(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for {silent_s:.0f} s "
-                                f"(RINGMASTER_HEARTBEAT_TIMEOUT_S={self.config.heartbeat_timeout_s:g}): {why}",
-                                session.rank, session.hostname)
-                return
-        if self.config.cache_stall_s > 0:
-            cache_stall = self._generation.cache_stalls.stall(self.size, self.config.cache_stall_s)
-            if cache_stall is not None and cache_stall.never_entered:
-                self._abort_job(pb.STALLED, f"{describe_cache_stall(cache_stall, self._host_of)} "
-                                f"(RINGMASTER_CACHE_STALL_S={self.config.cache_stall_s:g})", -1,
-                                stalled_ranks=cache_stall.missing_ranks)
-                return
-            if cache_stall is not None and cache_stall.cycle != self._generation.slow_cycle_warned:
-                self._generation.slow_cycle_warned = cache_stall.cycle
-                log.warning("%s", describe_slow_cache_cycle(cache_stall, self._host_of))
-        for line in warning_lines(self._newly_stalled(now), self._host_of):
-            log.warning("%s", line)
-        generation = self._generation
-        for stall in generation.plan_stalls.stalls(self.config.stall_warning_s, generation.negotiator.set_ranks):
-            log.warning("stall: %s", self._describe_plan_stall(stall))
-        if self.config.stall_shutdown_s > 0:
-            stalls = self._stalls(self.config.stall_shutdown_s, only_new=False)
-            if stalls:
-                stalls.sort(key=lambda stall: -stall.seconds)
-                self._abort_job(pb.STALLED, shutdown_reason(stalls, self.config.stall_shutdown_s), -1,
-                                stalled_ranks=stalls[0].missing_ranks)
-                return
-            for stall in generation.plan_stalls.stalls(self.config.stall_shutdown_s, generation.negotiator.set_ranks,
-                                                       only_new=False):
-                self._abort_job(pb.STALLED, f"{self._describe_plan_stall(stall)} "
-                                f"(RINGMASTER_STALL_SHUTDOWN_S={self.config.stall_shutdown_s:g})", -1,
-                                stalled_ranks=stall.missing_ranks)
-                return
-
-    def _newly_stalled(self, now: float):
-        """The stalls to warn about now: those past the warning time for the first time, less
-        those waiting for the same ranks as a stall warned about within the warning time (one
-        late rank is one stall, though its tensors cross the warning time over several checks:
-        at 1,024 ranks one late rank made 3 lines, each listing every waiting rank)."""
-        recent = self._generation.stall_warned
-        stalls = [stall for stall in self._stalls(self.config.stall_warning_s)
-                  if now - recent.get(stall_key(stall), -math.inf) >= self.config.stall_warning_s]
-        for stall in stalls:
-            recent[stall_key(stall)] = now
-        return stalls
-
-    def _stalls(self, older_than_s: float, only_new: bool = True):
-        """The negotiator's stalls, but not join()'s while a joined rank serves a gradient plan."""
-        stalls = self._generation.negotiator.stalls(older_than_s, only_new)
-        if any(stall.kind == "join" for stall in stalls):
-            serving = self._generation.plan_stalls.serving_ranks()
-            stalls = [s for s in stalls if not (s.kind == "join" and serving.intersection(s.waiting_ranks))]
-        return stalls
-
-    def _describe_plan_stall(self, stall: Stall) -> str:
-        where = f"gradient plan '{stall.name}'{_in_set(stall)}: ranks {stall.waiting_ranks} have waited " \
-                f"{stall.seconds:.0f} s in its allreduce"
-        if not stall.missing_ranks:
-            return (f"{where}, and every member is in it: the network between them hangs or an "
-                    f"allreduce is far slower than expected")
-        return (f"{where}; ranks {stall.missing_ranks} ({', '.join(self._host_of(r) for r in stall.missing_ranks)}) "
-                f"never reached that training step. One rank may be running a different code path "
-                f"(fewer steps, no optimizer.step()), or be stuck or slow; a rank out of data calls rm.join()")
-
-    def _host_of(self, rank: int) -> str:
-        session = self._sessions.get(rank)
-        return f"rank {rank} on {shown(session.hostname)}" if session else f"rank {rank}"
-
-
-def _why_a_stream_ended(session: RankSession) -> str:
-    """What a rank's stream ending without a goodbye says about the rank: its process is looked
-    up when it runs on this host, so that a live rank is never reported as dead."""
-    if session.hostname == socket.gethostname() and session.pid > 0:
-        alive = _process_runs(session.pid)
-        if alive is False:
-            return "its process has exited (it crashed or was killed)"
-        if alive:
-            return ("its process is still running, so the connection itself broke: gRPC keepalive pings went "
-                    "unanswered (a host too busy to answer for minutes, e.g. far more ranks than cores) or the "
-                    "network failed")
-    return "the process crashed, was killed or its host is gone"
-
-
-#: A rank on the coordinator's host whose process runs but that sends nothing is waited for this
-#: many heartbeat timeouts (a host can starve threads for minutes, docs/architecture.md), then
-#: the job ends: its threads are not merely slow.
-LIVE_SILENCE_FACTOR = 5
-
-#: Process states (``/proc/PID/stat``) of a process that runs, or waits to: not stopped, not exited.
-_LIVE_STATES = ("R", "S", "D", "I")
-
-
-def _process_state(session: RankSession) -> Optional[str]:
-    """The state letter of a rank's process on this host, "gone" if there is none, None when
-    the rank runs on another host (or this one cannot tell)."""
-    if session.hostname != socket.gethostname():
-        return None
-    try:
-        with open(f"/proc/{session.pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):  # ESRCH: read while the process was torn down
-        return "gone"
-    except (OSError, IndexError):
-        return None
-
-
-def _process_runs(pid: int, settle_s: float = 0.5) -> Optional[bool]:
-    """Whether process ``pid`` of this host runs (None: cannot tell). A dying process closes its
-    sockets before it is gone, so a process still there is watched for ``settle_s``."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                state = stat.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            # ESRCH or an empty read: the process was being torn down as it was read (seen once
-            # in a full run: the rank was reported as "crashed or its host is gone", not "exited")
-            return False
-        except OSError:
-            return None
-        if state in ("Z", "X"):
-            return False  # exited, not yet reaped by its parent
-        if time.monotonic() >= deadline:
-            return True
-        time.sleep(0.05)
+        verdict = health.check(self.config, self.size, self._sessions, self._generation, now)
+        if verdict is not None:
+            self._abort_job(*verdict)
 
 
 def _join_host_port(host: str, port: int) -> str:

@@ -15,14 +15,13 @@ from typing import Optional
 
 import grpc
 
+from ringmaster.coordinator.stream_writer import CLOSE, write_outbox
 from ringmaster.coordinator.validation import shown
 from ringmaster.proto import ringmaster_pb2 as pb
 
 log = logging.getLogger("ringmaster.coordinator")
 
 SERVICE = "ringmaster.Coordinator"
-
-_CLOSE = object()  # tells a stream handler to end its response stream
 
 
 class RankSession:
@@ -54,7 +53,7 @@ class RankSession:
         self.outbox.put_nowait(data)
 
     def close(self) -> None:
-        self.outbox.put_nowait(_CLOSE)
+        self.outbox.put_nowait(CLOSE)
 
 
 class CoordinatorServicer:
@@ -74,15 +73,7 @@ class CoordinatorServicer:
         self._coordinator.on_connect(session)
         reader = asyncio.ensure_future(self._coordinator.read_stream(session, request_iterator))
         try:
-            while True:
-                item = await session.outbox.get()
-                if item is _CLOSE:
-                    return
-                session.unread_bytes -= len(item)
-                try:
-                    await context.write(item)
-                except Exception:  # noqa: BLE001 - the peer went away mid-write (gRPC would log a
-                    return         # traceback for a generator's failed write): the stream has ended
+            await write_outbox(session.outbox, context, counted=session)
         finally:
             reader.cancel()
             self._coordinator.on_disconnect(session)

@@ -200,7 +200,8 @@ def main(argv=None) -> int:
     """
     import argparse
     import os
-    import sys
+
+    from ringmaster.common.daemon import read_until_eof, refuse, write_address
 
     parser = argparse.ArgumentParser(prog="python -m ringmaster.launch.elastic_service")
     parser.add_argument("--bind", required=True)
@@ -209,17 +210,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     secret = os.environ.get("RINGMASTER_SECRET", "")
     if not secret:
-        print("ringmaster elastic state service: error: RINGMASTER_SECRET is not set", file=sys.stderr)
-        return 2
+        return refuse("elastic state service", "RINGMASTER_SECRET is not set; the elastic state service refuses "
+                                               "to run without a job token")
     service = StateService(secret, args.bind, args.advertise).start()
-    temporary = f"{args.address_file}.tmp{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(service.address + "\n")
-    os.replace(temporary, args.address_file)
+    write_address(args.address_file, service.address)
     try:
-        while os.read(sys.stdin.fileno(), 4096):
-            pass
-    except (OSError, ValueError, KeyboardInterrupt):
+        read_until_eof()
+    except KeyboardInterrupt:
         pass
     service.stop()
     return 0

@@ -182,15 +182,15 @@ def _quoted_constants():
     """(statement in docs/architecture.md, the value the code uses): a tuned constant that
     changes must change its description too."""
     from ringmaster.common import keepalive
-    from ringmaster.coordinator import server
+    from ringmaster.coordinator import health
     from ringmaster.worker.runtime import cache_protocol, response_cache
     import test_cache_schedules  # tests/ is on the path of every test module
 
     return [
         (r"idle for ([\d.]+) s the cycles stop", cache_protocol.DORMANT_AFTER_S),
         (r"waiting after ([\d.]+) s is withdrawn", cache_protocol.WITHDRAW_AFTER_S),
-        (r"after (\d+) heartbeat timeouts", server.LIVE_SILENCE_FACTOR),
-        (r"waits up to (\d+) heartbeat timeouts", server.LIVE_SILENCE_FACTOR),
+        (r"after (\d+) heartbeat timeouts", health.LIVE_SILENCE_FACTOR),
+        (r"waits up to (\d+) heartbeat timeouts", health.LIVE_SILENCE_FACTOR),
         (r"gets a (\d+)-minute ping timeout", keepalive.LOCAL_PING_TIMEOUT_MS / 60_000),
         (r"under ([\d,]+) seeded random schedules", 7 * test_cache_schedules.QUICK_SCHEDULES),
         (r"cycles every (\d+) ms while the cache", response_cache.IDLE_CYCLE_S * 1000),

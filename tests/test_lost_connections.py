@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from ringmaster.common.config import Config
-from ringmaster.coordinator.server import Coordinator, _why_a_stream_ended
+from ringmaster.coordinator.health import why_a_stream_ended
+from ringmaster.coordinator.server import Coordinator
 from ringmaster.coordinator.sessions import RankSession
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.outbox import Outbox
@@ -24,19 +25,19 @@ def session(hostname, pid):
 
 
 def test_a_rank_whose_process_runs_is_not_reported_dead():
-    why = _why_a_stream_ended(session(socket.gethostname(), os.getpid()))
+    why = why_a_stream_ended(session(socket.gethostname(), os.getpid()))
     assert "still running" in why and "keepalive" in why
 
 
 def test_a_rank_whose_process_exited_is_reported_so():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    why = _why_a_stream_ended(session(socket.gethostname(), child.pid))
+    why = why_a_stream_ended(session(socket.gethostname(), child.pid))
     assert "has exited" in why
 
 
 def test_a_rank_on_another_host_cannot_be_looked_up():
-    why = _why_a_stream_ended(session("another-host.invalid", os.getpid()))
+    why = why_a_stream_ended(session("another-host.invalid", os.getpid()))
     assert "crashed, was killed or its host is gone" in why
 
 
