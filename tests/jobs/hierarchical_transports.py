@@ -5,15 +5,31 @@ into "hosts" of ``LOCAL_SIZE`` consecutive ranks (the runtime cuts them from MPI
 shared-memory nodes), and every dtype, op and length is checked against NumPy, every rank
 holding the same bytes:
 
-* ``host``: NumPy arrays stand in for device ones, and every transport is the staged one
-  with the host copy engine (``HostCopyEngine``): the choice of transports from a described
-  placement, the composition, chunking, in-place reduce-scatter and allgather run in CI
-  exactly as on a GPU;
+* ``host``: NumPy arrays stand in for device ones, and each transport the described
+  placement chooses runs its own host-side logic where the CPU allows it:
+
+  - ``staged``: the whole transport, with the host copy engine (``HostCopyEngine``) in place
+    of the CUDA copies;
+  - ``mpi`` (``CudaMpiTransport``): its own MPI calls, on host buffers where a CUDA-aware MPI
+    takes device ones;
+  - ``ipc`` (``IpcTransport``): its own schedule (the two alternating transfer buffers, the
+    reduce-scatter into the own chunk in rank order, the barriers, the gather), with MPI
+    shared-memory windows in place of the buffers that CUDA IPC handles map, and NumPy's
+    ufuncs in place of CuPy's kernels;
+  - ``nccl`` is not run: its collectives are NCCL's own (no placement described here chooses it).
+
+  Two compositions are built as the runtime builds them (``open_hierarchical`` from a
+  described placement: "hosts" whose ranks share a GPU, no NCCL): with an MPI that is not
+  CUDA-aware (``ipc`` within, ``staged`` between) and with one that is (``ipc``, ``mpi``).
+  What goes through the hosts is decided by the runtime's own rule
+  (``worker.runtime.hierarchy.use_for``: where the flat ring would run). The CUDA streams,
+  the device memory and the kernels are what this mode does not run.
 * ``cuda``: CuPy arrays on this rank's GPU; within a host the transport ``WITHIN`` (default
   ``ipc``: ranks share the one GPU of a test machine), between hosts ``staged``.
 
-Also checks the transport's reduce-scatter and allgather within a host on their own, and
-that allreduces the rule keeps flat go to the flat transport.
+Also checks the transport's reduce-scatter and allgather within a host on their own (and
+the ipc transport's own allreduce), and that allreduces the rule keeps flat go to the flat
+transport.
 """
 
 import hashlib
@@ -26,6 +42,7 @@ from job_report import Tally
 from ringmaster.ops.gpu.hierarchical import hierarchical_allreduce, open_hierarchical
 from ringmaster.ops.gpu.placement import Placement, TransportChoice
 from ringmaster.ops.hierarchical import chunk_counts
+from ringmaster.worker.runtime import hierarchy
 
 MODE, LOCAL_SIZE = sys.argv[1], int(sys.argv[2])
 WITHIN = sys.argv[3] if len(sys.argv) > 3 else "ipc"
@@ -36,11 +53,77 @@ local_comm = comm.Split(color=RANK // LOCAL_SIZE, key=RANK)
 cross_comm = comm.Split(color=RANK % LOCAL_SIZE, key=RANK)
 
 if MODE == "host":
+    from ringmaster.ops.gpu import ipc as ipc_module
     from ringmaster.ops.gpu.copies import HostCopyEngine
+    from ringmaster.ops.gpu.cuda_mpi import CudaMpiTransport
+    from ringmaster.ops.gpu.ipc import IpcTransport
     from ringmaster.ops.gpu.staged import StagedTransport
 
-    def open_transport(name, transport_comm):  # the staged transport stands in for every one
-        return StagedTransport(transport_comm, None, 0, engine=HostCopyEngine())
+    class HostStream:
+        """A CUDA stream as the transports use it; on the host nothing is queued."""
+
+        ptr = 0
+
+        def synchronize(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class HostCupy:
+        """The CuPy function IpcTransport's schedule calls, on NumPy arrays."""
+
+        copyto = staticmethod(np.copyto)
+
+    # IpcTransport's reductions (CuPy's ufuncs on the device) as NumPy's, in this process.
+    ipc_module.combine = lambda op: {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+
+    class HostIpcTransport(IpcTransport):
+        """IpcTransport with MPI shared-memory windows as every rank's two transfer buffers
+        (on a GPU: cudaMalloc'd, mapped by the peers through CUDA IPC handles). Everything
+        else, the schedule, is IpcTransport's own."""
+
+        def __init__(self, transport_comm):
+            StagedTransport.__init__(self, transport_comm, HostStream(), 0, engine=HostCopyEngine())
+            self._cupy = HostCupy
+            self._capacity, self._own_pointers, self._peer_pointers, self._turn = 0, [], [], 0
+            self.min_bytes = ipc_module.IPC_MIN_BYTES
+            self._windows, self._buffers = [], []
+
+        def _view(self, rank, like, turn):
+            return self._buffers[turn][rank][:like.nbytes].view(like.dtype).reshape(like.shape)
+
+        def _reserve(self, nbytes):
+            if nbytes <= self._capacity:
+                return
+            self._release()
+            self._capacity = max(nbytes, 1 << 20)
+            self._windows = [MPI.Win.Allocate_shared(self._capacity, 1, comm=self.comm) for _ in range(2)]
+            self._buffers = [[np.frombuffer(window.Shared_query(rank)[0], np.uint8) for rank in range(self.size)]
+                             for window in self._windows]
+
+        def _release(self):
+            if not self._capacity:
+                return
+            self.comm.Barrier()
+            self._buffers = []
+            for window in self._windows:
+                window.Free()
+            self._windows, self._capacity = [], 0
+
+    HOST_TRANSPORTS = {
+        "staged": lambda transport_comm: StagedTransport(transport_comm, None, 0, engine=HostCopyEngine()),
+        "mpi": lambda transport_comm: CudaMpiTransport(transport_comm, HostStream(), 0, engine=HostCopyEngine()),
+        "ipc": HostIpcTransport,
+    }
+
+    def open_transport(name, transport_comm):
+        if name not in HOST_TRANSPORTS:
+            raise ValueError(f"the {name} transport does not run on the CPU")
+        return HOST_TRANSPORTS[name](transport_comm)
 
     def to_device(array):
         return array.copy()
@@ -91,36 +174,45 @@ class Recording:
 
 
 flat = Recording(open_transport(WITHIN if MODE == "cuda" else "staged", comm))
-# Built as the runtime builds it (open_hierarchical), from a described placement: on the CPU
-# "hosts" of LOCAL_SIZE ranks that share one GPU each, no NCCL, an MPI that is not CUDA-aware.
-opened = []
 
 
-def described(which):
-    if MODE == "cuda":
-        from ringmaster.ops.gpu.placement import describe
-        return describe(which, DEVICE)
-    ranks = which.allgather(RANK)
-    return Placement(hosts=tuple(f"host{r // LOCAL_SIZE}" for r in ranks),
-                     gpus=tuple(f"host{r // LOCAL_SIZE}/0" for r in ranks), nccl=False, cuda_aware_mpi=False,
-                     mpi_detail="described by the test")
+def through_hosts(array, op, algorithm):
+    """The runtime's rule (worker/runtime/device.py): where the flat ring would run."""
+    return hierarchy.use_for(algorithm, array, SIZE, op)
 
 
-def opening(name, which):
-    opened.append((name, which.Get_size()))
-    return open_transport(name, which)
+def build(cuda_aware):
+    """The hierarchical transport as the runtime builds it (open_hierarchical), from a described
+    placement on the CPU: "hosts" of LOCAL_SIZE ranks that share one GPU each, no NCCL, an MPI
+    that is CUDA-aware or not; on a GPU from this machine's."""
+    opened = []
 
+    def described(which):
+        if MODE == "cuda":
+            from ringmaster.ops.gpu.placement import describe
+            return describe(which, DEVICE)
+        ranks = which.allgather(RANK)
+        return Placement(hosts=tuple(f"host{r // LOCAL_SIZE}" for r in ranks),
+                         gpus=tuple(f"host{r // LOCAL_SIZE}/0" for r in ranks), nccl=False,
+                         cuda_aware_mpi=cuda_aware, mpi_detail="described by the test")
 
-# The runtime's rule is "where the flat ring would run"; here: at least 1,000 elements.
-transport, line = open_hierarchical(WITHIN if MODE == "cuda" else "auto", TransportChoice("staged", "the test's"),
-                                    flat, local_comm, cross_comm, described, opening,
-                                    lambda array, op, algorithm: array.size >= 1000)
-local, cross = transport.local, transport.cross
-if MODE == "host":
-    TALLY.report("the transports within and between hosts, on the hosts' communicators",
-                 opened == [("ipc", LOCAL_SIZE), ("staged", SIZE // LOCAL_SIZE)], str(opened))
-    TALLY.report("the line names both choices and the flat one", "ipc within each host" in line
-                 and "staged between them" in line and "the rest over staged" in line, line)
+    def opening(name, which):
+        opened.append((name, which.Get_size()))
+        return open_transport(name, which)
+
+    built, line = open_hierarchical(WITHIN if MODE == "cuda" else "auto", TransportChoice("staged", "the test's"),
+                                    flat, local_comm, cross_comm, described, opening, through_hosts)
+    if MODE == "host":
+        between = "mpi" if cuda_aware else "staged"
+        TALLY.report(f"{between} between: the transports within and between hosts, on the hosts' communicators",
+                     opened == [("ipc", LOCAL_SIZE), (between, SIZE // LOCAL_SIZE)], str(opened))
+        TALLY.report(f"{between} between: the line names both choices and the flat one", "ipc within each host"
+                     in line and f"{between} between them" in line and "the rest over staged" in line, line)
+        TALLY.report(f"{between} between: each transport is its own class",
+                     (type(built.local).__name__, type(built.cross).__name__)
+                     == ("HostIpcTransport", "CudaMpiTransport" if cuda_aware else "StagedTransport"),
+                     f"{type(built.local).__name__}, {type(built.cross).__name__}")
+    return built
 
 
 def inputs(seed, dtype, op, n):
@@ -150,39 +242,59 @@ def same_on_every_rank(case, result):
 
 DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, np.bool_]
 OPS = ["sum", "prod", "min", "max"]
-for dtype in DTYPES:
-    for op in OPS:
-        for n in (0, 1, 5, 1003, 300_001):
-            seed = (DTYPES.index(dtype), OPS.index(op), n)
-            values = inputs(seed, dtype, op, n)
-            want = reduced(values, op)
-            case = f"hierarchical {np.dtype(dtype)} {op} n={n}"
-            array = to_device(values[RANK])
-            hierarchical_allreduce(local, cross, array, op)
-            got = to_host(array)
-            TALLY.report(case, np.array_equal(got, want), f"got {got[:5]} want {want[:5]}")
-            same_on_every_rank(case, got)
 
-# Scaled once, between the hosts: an average.
-values = inputs((99,), np.float32, "sum", 100_003)
+
+def check_matrix(transport, label, lengths, ops=OPS):
+    local, cross = transport.local, transport.cross
+    for dtype in DTYPES:
+        for op in ops:
+            for n in lengths:
+                seed = (DTYPES.index(dtype), OPS.index(op), n)
+                values = inputs(seed, dtype, op, n)
+                want = reduced(values, op)
+                case = f"{label} {np.dtype(dtype)} {op} n={n}"
+                array = to_device(values[RANK])
+                hierarchical_allreduce(local, cross, array, op)
+                got = to_host(array)
+                TALLY.report(case, np.array_equal(got, want), f"got {got[:5]} want {want[:5]}")
+                same_on_every_rank(case, got)
+
+
+transport = build(cuda_aware=False)
+check_matrix(transport, "hierarchical", (0, 1, 5, 1003, 300_001))
+if MODE == "host":  # the CUDA-aware composition: mpi between the hosts
+    aware = build(cuda_aware=True)
+    check_matrix(aware, "hierarchical, mpi between", (5, 300_001), ["sum", "max"])
+    aware.local.close()
+    aware.cross.close()
+local, cross = transport.local, transport.cross
+
+# Scaled once, between the hosts: an average (big enough for the rule to send it through them).
+values = inputs((99,), np.float32, "sum", 300_003)
 array = to_device(values[RANK])
+flat.calls.clear()
 transport.allreduce(array, "sum", scale=1.0 / SIZE)
+TALLY.report("the average went through the hosts", flat.calls == [], str(flat.calls))
 got = to_host(array)
 want = (reduced(values, "sum") / np.float32(SIZE)).astype(np.float32)
 TALLY.report("hierarchical average", np.allclose(got, want, rtol=1e-6), f"got {got[:4]} want {want[:4]}")
 same_on_every_rank("hierarchical average", got)
 
-# The rule decides: a small allreduce goes flat, a big one through the hosts.
+# The runtime's rule decides: a small allreduce goes flat, one the flat ring would take through the hosts.
 flat.calls.clear()
 small = to_device(np.full(10, RANK + 1, np.float32))
 transport.allreduce(small, "sum")
 TALLY.report("a small allreduce goes to the flat transport", flat.calls == ["allreduce"], str(flat.calls))
 TALLY.report("the small allreduce's result", np.array_equal(to_host(small), np.full(10, SIZE * (SIZE + 1) / 2)))
 flat.calls.clear()
-big = to_device(np.full(5000, RANK + 1, np.int64))
+big_count = 1 << 18  # 2 MiB of int64: the flat ring's size at 4 ranks
+TALLY.report("the rule sends 2 MiB through the hosts and 40 bytes not", hierarchy.use_for(
+    "auto", np.empty(big_count, np.int64), SIZE, "sum") and not hierarchy.use_for(
+    "auto", np.empty(10, np.float32), SIZE, "sum"))
+big = to_device(np.full(big_count, RANK + 1, np.int64))
 transport.allreduce(big, "sum")
 TALLY.report("a big allreduce leaves the flat transport alone", flat.calls == [], str(flat.calls))
-TALLY.report("the big allreduce's result", np.array_equal(to_host(big), np.full(5000, SIZE * (SIZE + 1) // 2)))
+TALLY.report("the big allreduce's result", np.array_equal(to_host(big), np.full(big_count, SIZE * (SIZE + 1) // 2)))
 counts = [3 * (r + 1) for r in range(SIZE)]
 received = to_device(np.zeros(sum(counts), np.uint8))
 transport.allgatherv(to_device(np.full(counts[RANK], RANK + 1, np.uint8)), received, counts)
@@ -216,6 +328,17 @@ for n in (0, 7, 100_001):
     TALLY.report(f"allgather in place within a host n={n}", np.array_equal(to_host(target), whole),
                  f"got {to_host(target)[:6]}")
 
+# The ipc transport's own allreduce within a host: through its transfer buffers from its
+# smallest size on, through host memory below it.
+for n in (10, (local.min_bytes // 4) + 5) if local.name == "ipc" else ():
+    host_values = [np.random.default_rng((8, n, r)).integers(0, 50, n).astype(np.float32) for r in range(SIZE)]
+    host_first = RANK - local_comm.Get_rank()
+    array = to_device(host_values[RANK])
+    local.allreduce(array, "sum", scale=0.5)
+    want = reduced(host_values[host_first:host_first + local_comm.Get_size()], "sum") * np.float32(0.5)
+    TALLY.report(f"ipc allreduce within a host n={n}", np.array_equal(to_host(array), want))
+
 settle()
 transport.close()
 TALLY.done()
+sys.exit(1 if TALLY.failures else 0)
