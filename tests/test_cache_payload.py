@@ -134,7 +134,7 @@ def test_a_payload_slot_pending_on_some_ranks_only_is_not_carried():
     (allreduce_response("adasum", 4, reduce_op=pb.ADASUM), "Adasum is no MPI op"),
     (allreduce_response("scaled", 4, prescale=0.5), "prescaled before the transfer"),
     (allreduce_response("wire", 4, compression="int8"), "8-bit wire format"),
-    (allreduce_response("device", 4, device="cuda"), "device memory"),
+    (allreduce_response("device", 4, device="cuda"), "device memory"),  # cuda-marker: not a device (a name)
     (allreduce_response("big", 20_000), "over 64 KiB"),
 ])
 def test_what_a_cycle_never_carries(response, why):
