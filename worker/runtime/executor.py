@@ -13,6 +13,8 @@ size, and skips responses of sets this rank is not in.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import os
@@ -42,16 +44,12 @@ _STOP = object()
 
 
 
-class Executor(AllreducePaths):
-    """Runs response lists on a background thread.
+@dataclasses.dataclass(frozen=True)
+class ExecutorSettings:
+    """What an executor takes from the job's configuration and topology (:meth:`from_config`).
 
-    Args:
-        comm: the job's (duplicated) MPI communicator.
-        table: where user threads put their entries.
+    Attributes:
         allreduce_algorithm: ``auto``, ``ring`` or ``mpi`` (see ``ringmaster.ops.allreduce``).
-        on_join: called with the last joined rank when a JOIN completes.
-        on_join_counted: called once the coordinator has counted this rank's join (see ``_join``).
-        on_fatal: called with the error when this rank can no longer run collectives.
         nice: the thread's nice value (0: as the training loop; 19: only on spare cycles).
         across_hosts: the job spans several hosts (its ring segments are sized for a network).
         plan_overlap, local_size: what gradient plans start during backward (``Config.plan_overlap``),
@@ -59,26 +57,54 @@ class Executor(AllreducePaths):
         result_pool: out-of-place results of 1 MiB or more reuse memory the caller released
             (``RINGMASTER_RESULT_POOL``; see ``result_memory.py``).
         gpu_transport: how CUDA tensors move (``RINGMASTER_GPU_TRANSPORT``; see ``device.py``).
+        hierarchical: big allreduces go through the hosts (``RINGMASTER_HIERARCHICAL_ALLREDUCE``,
+            once ``hierarchy.check`` allowed it for the job).
     """
 
-    def __init__(self, comm, table: TensorTable, allreduce_algorithm: str,
-                 on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None], nice: int = 0,
-                 on_join_counted: Callable[[], None] = lambda: None,
-                 across_hosts: bool = False, plan_overlap: str = "all", local_size: int = 1,
-                 result_pool: bool = True, gpu_transport: str = "auto", hierarchical: bool = False):
-        self.nice = nice
-        self._hierarchical = hierarchical
-        self._plan_overlap = plan_overlap
-        self._local_size = local_size
+    allreduce_algorithm: str = "auto"
+    nice: int = 0
+    across_hosts: bool = False
+    plan_overlap: str = "all"
+    local_size: int = 1
+    result_pool: bool = True
+    gpu_transport: str = "auto"
+    hierarchical: bool = False
+
+    @classmethod
+    def from_config(cls, config, local_size: int, cross_size: int, hierarchical: bool) -> "ExecutorSettings":
+        return cls(allreduce_algorithm=config.allreduce_algorithm, nice=config.background_nice,
+                   across_hosts=cross_size > 1, plan_overlap=config.plan_overlap, local_size=local_size,
+                   result_pool=config.result_pool, gpu_transport=config.gpu_transport, hierarchical=hierarchical)
+
+
+class Executor(AllreducePaths):
+    """Runs response lists on a background thread.
+
+    Args:
+        comm: the job's (duplicated) MPI communicator.
+        table: where user threads put their entries.
+        settings: what it takes from the job's configuration (:class:`ExecutorSettings`).
+        on_join: called with the last joined rank when a JOIN completes.
+        on_join_counted: called once the coordinator has counted this rank's join (see ``_join``).
+        on_fatal: called with the error when this rank can no longer run collectives.
+    """
+
+    def __init__(self, comm, table: TensorTable, settings: ExecutorSettings,
+                 on_join: Callable[[int], None], on_fatal: Callable[[BaseException], None],
+                 on_join_counted: Callable[[], None] = lambda: None):
+        self.nice = settings.nice
+        self._hierarchical = hierarchical = settings.hierarchical
+        self._plan_overlap = settings.plan_overlap
+        self._local_size = settings.local_size
         # Over a network the ring moves data at the line rate only in large segments.
-        self.segment_bytes = ops.NETWORK_SEGMENT_BYTES if across_hosts else ops.DEFAULT_SEGMENT_BYTES
+        self.segment_bytes = ops.NETWORK_SEGMENT_BYTES if settings.across_hosts else ops.DEFAULT_SEGMENT_BYTES
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         # The sets this rank is a member of, by id; 0 is every rank on the job's communicator.
         self._sets: Dict[int, SetComm] = {0: SetComm(comm, self.rank, self.size, range(self.size))}
         self.table = table
-        self.algorithm = allreduce_algorithm
+        self.algorithm = settings.allreduce_algorithm
         self._on_join = on_join
         self._on_join_counted = on_join_counted
         self._on_fatal = on_fatal
@@ -86,7 +112,8 @@ class Executor(AllreducePaths):
         self._expected_sequence = 1
         self._fusion: Dict[tuple, torch.Tensor] = {}  # by (dtype, device)
         # Out-of-place CPU results: in memory the caller released (no fresh pages to fault in), or new.
-        self._devices = Devices(self.segment_bytes, ResultPool() if result_pool else None, gpu_transport)
+        self._devices = Devices(self.segment_bytes, ResultPool() if settings.result_pool else None,
+                                settings.gpu_transport)
         if hierarchical:  # (a collective call: every rank makes its executors in the same order)
             self._devices.host.hierarchies[id(comm)] = split_hierarchy(comm)
         # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import socket
@@ -23,7 +24,7 @@ from ringmaster.worker.runtime import agreement, autotune, current, hierarchy, h
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
-from ringmaster.worker.runtime.executor import Entry, Executor, TensorTable
+from ringmaster.worker.runtime.executor import Entry, Executor, ExecutorSettings, TensorTable
 from ringmaster.worker.runtime.handles import HandleTable
 from ringmaster.worker.runtime.outbox import Outbox
 from ringmaster.worker.runtime.process_sets import add_process_set, global_process_set
@@ -55,12 +56,10 @@ class Runtime:
         self.endpoint: CoordinatorEndpoint = find_coordinator(comm, config)
         self.route = host_aggregator.route(comm, config, self.endpoint.address, self.endpoint.secret)
         self.hierarchical = hierarchy.check(comm, config.hierarchical_allreduce)
-        self.executor = Executor(comm, self.table, config.allreduce_algorithm,
-                                 on_join=self._joined, on_fatal=self.fail, nice=config.background_nice,
-                                 on_join_counted=self._join_counted,
-                                 across_hosts=self.cross_size > 1, plan_overlap=config.plan_overlap,
-                                 local_size=self.local_size, result_pool=config.result_pool,
-                                 gpu_transport=config.gpu_transport, hierarchical=self.hierarchical)
+        self.executor_settings = ExecutorSettings.from_config(config, self.local_size, self.cross_size,
+                                                              self.hierarchical)
+        self.executor = Executor(comm, self.table, self.executor_settings, on_join=self._joined,
+                                 on_fatal=self.fail, on_join_counted=self._join_counted)
         self.cache = self._start_cache(comm, config)
         self.outbox = Outbox(config.cycle_time_ms / 1000.0, config.heartbeat_interval_s,
                              heartbeat=self._heartbeat,
@@ -106,11 +105,10 @@ class Runtime:
         if config.cache_capacity == 0:
             return None
         cache_comm = comm.Dup()
-        runner = Executor(cache_comm, self.table, config.allreduce_algorithm, on_join=self._joined,
-                          on_fatal=self.fail, nice=config.background_nice, across_hosts=self.cross_size > 1,
-                          local_size=self.local_size, result_pool=False, gpu_transport=config.gpu_transport,
-                          hierarchical=self.hierarchical)
-        runner.results = self.executor.results  # one pool: a result may come from either path
+        # One pool: a result may come from either path.
+        runner = Executor(cache_comm, self.table, dataclasses.replace(self.executor_settings, result_pool=False),
+                          on_join=self._joined, on_fatal=self.fail)
+        runner.results = self.executor.results
         cache = ResponseCache(cache_comm, runner, config.cache_capacity, config.fusion_threshold_bytes,
                               config.cycle_time_ms / 1000.0, negotiate=lambda requests: self.outbox.add(requests, True),
                               on_fatal=self.fail)
