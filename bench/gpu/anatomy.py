@@ -38,8 +38,10 @@ from ringmaster.worker.frontend import collectives
 from ringmaster.worker.runtime import (allreduce_paths, current, device, entries, executor, handles, lifecycle,
                                        response_cache)
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "examples")]  # bench/ first: its anatomy.py, not this file
 import benchmark_models  # noqa: E402
+from anatomy import timed  # noqa: E402  (bench/anatomy.py: the host's anatomy, whose timer this shares)
 
 #: (owner, attribute, label) of the parts of one collective, outermost first.
 COLLECTIVE_PARTS = [
@@ -93,7 +95,7 @@ class Parts:
         for owner, attribute, label in self.parts:
             original = getattr(owner, attribute)
             self.originals.append((owner, attribute, original))
-            setattr(owner, attribute, _timed(original, self.times[label]))
+            setattr(owner, attribute, timed(original, self.times[label]))
         return self.times
 
     def __exit__(self, *exc):
@@ -104,16 +106,6 @@ class Parts:
         """(label, median us, calls per unit) for the parts that ran."""
         return [(label, statistics.median(self.times[label]) / 1e3, len(self.times[label]) / per)
                 for _, _, label in self.parts if self.times[label]]
-
-
-def _timed(function, times):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter_ns()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            times.append(time.perf_counter_ns() - start)
-    return wrapper
 
 
 def _medians(comm, function, count):
