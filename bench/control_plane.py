@@ -35,8 +35,10 @@ rank whose death is timed. The other hosts are simulated at the aggregator's sid
 wire: one ``NegotiateHost`` stream each, registering K ranks and sending each list of
 requests once, merged for all K, when the last of its ranks would have declared it (its
 skew is the largest of K ranks' skews). On a real cluster every aggregator has its own
-host; here the simulated ones cost the coordinator exactly what real ones would send it,
-without K simulated ranks each taking CPU from it.
+host; here the simulated ones send the coordinator what a real one sends for a host whose
+ranks all declared alike, in ``--host-messages`` messages a step (a real aggregator sends as
+many as its batching makes: the run reports how many the real one sent), without K simulated
+ranks each taking CPU from it.
 
 Prints a table; ``--json`` writes every figure, ``--plot`` a PNG of latency and memory
 against N (matplotlib). Progress goes to stderr.
