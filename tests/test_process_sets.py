@@ -6,7 +6,7 @@ import pytest
 from mpijob import mpirun
 
 from ringmaster.coordinator.negotiation import Negotiator
-from ringmaster.coordinator.server import _in_set
+from ringmaster.coordinator.stall_report import in_set
 from ringmaster.proto import ringmaster_pb2 as pb
 
 JOB = (pathlib.Path(__file__).parent / "jobs" / "process_sets.py").read_text()
@@ -171,7 +171,7 @@ def test_stall_names_the_missing_members_of_the_set():
     [stall] = negotiator.stalls(60)
     assert stall.missing_ranks == [0, 1] and stall.waiting_ranks == [3]
     assert stall.process_set_id == trio and list(stall.set_ranks) == [0, 1, 3]
-    assert _in_set(stall) == f" in process set {trio} (ranks [0, 1, 3])"
+    assert in_set(stall) == f" in process set {trio} (ranks [0, 1, 3])"
 
 
 @pytest.mark.timeout(30)
