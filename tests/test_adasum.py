@@ -3,9 +3,9 @@
 per tensor of a fused buffer, float32, float64, a float16 wire, bit-identical on every rank;
 orthogonal gradients give their sum and parallel ones their mean, mixed ones the reference,
 and Horovod's own four tests pass, at 3, 5, 6 and 8 ranks: two and three levels of the
-tree, powers of two and not), the API at 2, 3 and 4 ranks (Horovod's four tests included) (allreduce forms, grouped =
-unfused, scaling, a process set, Compression.fp16, float16 and bfloat16 tensors), the
-refusals, and DistributedOptimizer(op=Adasum) equal to Horovod's rule (each rank steps
+tree, powers of two and not), the API at 2, 3 and 4 ranks (Horovod's four tests, allreduce
+forms, grouped = unfused, scaling, a process set, Compression.fp16, float16 and bfloat16
+tensors), the refusals, and DistributedOptimizer(op=Adasum) equal to Horovod's rule (each rank steps
 alone, the parameters' changes are combined) for SGD with momentum and Adam."""
 
 import pathlib
