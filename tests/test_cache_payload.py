@@ -8,8 +8,8 @@ import pytest
 from mpijob import ringrun
 
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime.cache_protocol import (MIN_PAYLOAD_BYTES, PAYLOAD_SLOTS, CacheProtocol, CycleVector,
-                                                      Hit, Proposal, carriable)
+from ringmaster.worker.runtime.cache_protocol import (MIN_PAYLOAD_BYTES, PAYLOAD_FRESH_RUNS, PAYLOAD_SLOTS,
+                                                      CacheProtocol, CycleVector, Hit, Proposal, carriable)
 
 
 def mpi_rule(parts, reduce_op):
@@ -164,17 +164,28 @@ def test_floats_on_more_than_two_ranks_ride_only_up_to_mpis_small_message_size()
 
 
 def test_a_payload_holds_one_dtype_and_reduction_and_at_most_its_slot_count():
-    responses = [allreduce_response(f"s{n}", 1) for n in range(PAYLOAD_SLOTS + 2)]
-    responses.append(allreduce_response("ints", 1, dtype="int64"))
-    job = Job(2, responses, capacity=32)
-    for response in responses:
-        name = response.names[0]
-        dtype = "int64" if name == "ints" else "float32"
-        job.cycle({rank: {name: values(rank, 1, dtype)} for rank in range(2)})
-    assert job.ranks[0].payload.slots == (PAYLOAD_SLOTS + 2,) and job.ranks[0].payload.dtype == np.int64
-    job.cycle({rank: {"s0": values(rank, 1)} for rank in range(2)})
+    floats = [allreduce_response(f"s{n}", 1) for n in range(PAYLOAD_SLOTS + 2)]
+    job = Job(2, floats + [allreduce_response("ints", 1, dtype="int64")], capacity=32)
+    # all the float slots in one cycle: the payload takes the first PAYLOAD_SLOTS of them
+    job.cycle({rank: {f"s{n}": values(rank, 1, seed=n) for n in range(PAYLOAD_SLOTS + 2)} for rank in range(2)})
     payload = job.ranks[0].payload
-    assert payload.dtype == np.float32 and len(payload.slots) == PAYLOAD_SLOTS and payload.slots[0] == 0
+    assert payload.dtype == np.float32 and payload.slots == tuple(range(PAYLOAD_SLOTS))
+    # an int64 slot runs: the payload is of the latest one's dtype and reduction only
+    job.cycle({rank: {"ints": values(rank, 1, "int64")} for rank in range(2)})
+    assert job.ranks[0].payload.slots == (PAYLOAD_SLOTS + 2,) and job.ranks[0].payload.dtype == np.int64
+
+
+def test_a_slot_that_stops_running_leaves_the_payload():
+    """A metric logged earlier stops costing every cycle a second allreduce of its zeros."""
+    job = Job(2, [allreduce_response("metric", 1), allreduce_response("big", 100_000)])
+    job.cycle({rank: {"metric": values(rank, 1)} for rank in range(2)})
+    assert job.ranks[0].payload.slots == (0,)
+    for run in range(PAYLOAD_FRESH_RUNS):
+        assert job.ranks[0].payload is not None, run
+        job.cycle({rank: {"big": values(rank, 100_000)} for rank in range(2)})  # too big to ride
+    assert all(protocol.payload is None for protocol in job.ranks)
+    job.cycle()  # the next cycle carries nothing
+    assert all(protocol.outgoing is None for protocol in job.ranks)
 
 
 def test_an_evicted_slot_leaves_the_payload():

@@ -106,8 +106,7 @@ class AllreducePaths:
                 part.copy_(entry.tensor.reshape(-1))
         if response.prescale_factor != 1.0:
             buffer.mul_(response.prescale_factor)
-        scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
-            else response.postscale_factor
+        scale = result_scale(response, group.size)
         with timeline.span(response.names, f"QUANTIZED_RING_ALLREDUCE_{response.compression.upper()}"):
             device.transport(group).quantized_allreduce(device.array(buffer), _ring_codec(response.compression),
                                                         scale=scale)
@@ -170,8 +169,7 @@ class AllreducePaths:
             output = entry.output
             output.numpy().reshape(-1)[:] = reduced
         if output.dtype.is_floating_point:  # as ops.allreduce scales an MPI_Allreduce's result
-            scale = response.postscale_factor / size if response.reduce_op == pb.AVERAGE \
-                else response.postscale_factor
+            scale = result_scale(response, size)
             if scale != 1.0:
                 scale_in_place(output.numpy().reshape(-1), scale)
         elif response.reduce_op == pb.AVERAGE or response.postscale_factor != 1.0:
@@ -187,8 +185,7 @@ class AllreducePaths:
         algorithm = self._algorithm_for(array, group.size, reduction)
         scale = None
         if flat.dtype.is_floating_point:  # scaled inside the allreduce, chunk by chunk while in cache
-            scale = response.postscale_factor / group.size if response.reduce_op == pb.AVERAGE \
-                else response.postscale_factor
+            scale = result_scale(response, group.size)
         label = lambda: transport.span_label(algorithm if algorithm != "auto" else ops.choose_algorithm(  # noqa: E731
             array.nbytes, group.size, array.dtype, reduction))
         with timeline.span(response.names, label):
@@ -210,13 +207,10 @@ class AllreducePaths:
     def _postscale(flat: torch.Tensor, response: pb.Response, size: int) -> None:
         """Average divides by the number of ranks that reduced (the set's size); integers
         truncate toward zero, as Horovod's integer Average does."""
-        if response.reduce_op == pb.AVERAGE:
-            if flat.dtype.is_floating_point or response.postscale_factor != 1.0:
-                _scale_(flat, response.postscale_factor / size)
-            else:
-                flat.div_(size, rounding_mode="trunc")  # exact, also for int64 beyond 2**53
+        if response.reduce_op == pb.AVERAGE and not flat.dtype.is_floating_point and response.postscale_factor == 1.0:
+            flat.div_(size, rounding_mode="trunc")  # exact, also for int64 beyond 2**53
         else:
-            _scale_(flat, response.postscale_factor)
+            _scale_(flat, result_scale(response, size))
 
     def _fusion_buffer(self, dtype: torch.dtype, count: int, device) -> torch.Tensor:
         key = (dtype, device.kind)
@@ -225,6 +219,14 @@ class AllreducePaths:
             buffer = device.empty(max(count, 1024), dtype)
             self._fusion[key] = buffer
         return buffer[:count]
+
+
+def result_scale(response: pb.Response, size: int) -> float:
+    """What the sum over ``size`` ranks is multiplied by: the postscale factor, divided by
+    ``size`` for Average (Horovod's rule)."""
+    if response.reduce_op == pb.AVERAGE:
+        return response.postscale_factor / size
+    return response.postscale_factor
 
 
 def _scale_(flat: torch.Tensor, factor: float) -> None:
