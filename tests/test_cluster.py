@@ -240,9 +240,11 @@ def test_rate_caps_each_host_link(netns_cluster_factory):
 
 @pytest.mark.timeout(30)
 def test_delay_adds_latency_to_each_host_link(netns_cluster_factory):
+    if ncl.unavailable_reason() is not None:
+        unavailable(ncl.unavailable_reason())
     reason = ncl.unavailable_reason(shaping_delay=True)
-    if reason:
-        unavailable(reason)
+    if reason:  # only the kernel's netem is missing: a kernel feature, skipped even where a cluster is required
+        pytest.skip(reason)
     cluster = netns_cluster_factory(2, delay="5ms", rate="1gbit")
     first, second = cluster.hosts
     # a TCP connect is one round trip across two links, each delayed 5 ms each way
