@@ -8,8 +8,8 @@ import pytest
 from mpijob import ringrun
 
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime.cache_protocol import (MIN_PAYLOAD_BYTES, PAYLOAD_FRESH_RUNS, PAYLOAD_SLOTS,
-                                                      CacheProtocol, CycleVector, Hit, Proposal, carriable)
+from ringmaster.worker.runtime.cache_payload import MIN_PAYLOAD_BYTES, PAYLOAD_FRESH_RUNS, PAYLOAD_SLOTS, carriable
+from ringmaster.worker.runtime.cache_protocol import CacheProtocol, CycleVector, Hit, Proposal
 
 
 def mpi_rule(parts, reduce_op):

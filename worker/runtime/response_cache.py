@@ -26,7 +26,7 @@ and every rank gets the same result, so every rank knows the same things at the 
   otherwise reach the coordinator while the other ranks' hits wait here).
 - **small data, in the cycle itself.** The slot that ran alone in the last cycle that ran
   any, if it is a small CPU allreduce (float32/64 or int32/64, no prescaling or wire format,
-  up to ``cache_protocol.carriable_bytes``), is the next cycle's *payload*: every rank starts
+  up to ``cache_payload.carriable_bytes``), is the next cycle's *payload*: every rank starts
   a second allreduce beside the vector's, with MPI's built-in op, of that slot's data where
   its hit is pending (zeros elsewhere). Where the slot is ready everywhere, that result is
   the slot's, and the slot completes with no transfer of its own: a synchronous
