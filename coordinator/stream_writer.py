@@ -27,14 +27,7 @@ async def write_outbox(outbox: "asyncio.Queue", context, counted=None, coalesce_
     last write went out into one write of up to this many bytes (see :func:`coalesced`); 0
     writes each message on its own.
     """
-    carried = _NOTHING
-    while True:
-        data = await outbox.get() if carried is _NOTHING else carried
-        carried = _NOTHING
-        if data is CLOSE:
-            return
-        if coalesce_limit and not outbox.empty():
-            data, carried = _join_queued(outbox, data, coalesce_limit, CLOSE)
+    async for data in coalesced(outbox, coalesce_limit):
         if counted is not None:
             counted.unread_bytes -= len(data)
         try:
@@ -47,15 +40,15 @@ async def coalesced(outbox: "asyncio.Queue", limit: int, end: Optional[object] =
     """The messages to send, until ``end`` is queued: what queued up while the last one went out
     goes as one message of up to ``limit`` bytes, since serialized HostDownstreams (and
     HostUpstreams) concatenate. At 1,024 ranks, one write per response list and host was a
-    fifth of the coordinator's time. (For a gRPC request iterator; a handler writes its
-    outbox with :func:`write_outbox`.)"""
+    fifth of the coordinator's time. ``limit`` 0: each message on its own. (For a gRPC request
+    iterator; a handler writes its outbox with :func:`write_outbox`, which reads it from here.)"""
     carried = _NOTHING
     while True:
         item = await outbox.get() if carried is _NOTHING else carried
         carried = _NOTHING
         if item is end:
             return
-        if not outbox.empty():
+        if limit and not outbox.empty():
             item, carried = _join_queued(outbox, item, limit, end)
         yield item
 
