@@ -208,7 +208,8 @@ def test_constants_quoted_in_the_architecture_match_the_code(pattern, value):
 
 # ------------------------------------------------------------------ dated figures
 #: Pages whose figures are measurements; each figure names the date it was measured at.
-MEASURED_PAGES = ("README.md", "docs/benchmarks.md", "docs/scaling.md", "docs/decisions.md")
+MEASURED_PAGES = ("README.md", "docs/benchmarks.md", "docs/scaling.md", "docs/decisions.md", "docs/elastic.md",
+                  "bench/gpu/README.md")
 
 #: A measured figure: a time (ms, µs, us, seconds with decimals, "33 min 52 s"), a rate, a
 #: share (%), or a ratio: a number followed by × (but not the count of "100 × 16 KiB").
