@@ -1,6 +1,7 @@
 """The user documentation covers the code: every public name in docs/api.md (with the
 signature the code has), every RINGMASTER_* variable and every ringrun flag in
-docs/configuration.md. No MPI job; only the signature check imports torch."""
+docs/configuration.md; and every measured figure in README and the measurement pages names
+the date it was measured at. No MPI job; only the signature check imports torch."""
 
 from __future__ import annotations
 
