@@ -1,6 +1,7 @@
 """The user documentation covers the code: every public name in docs/api.md (with the
 signature the code has), every RINGMASTER_* variable and every ringrun flag in
-docs/configuration.md. No MPI job; only the signature check imports torch."""
+docs/configuration.md; and every measured figure in README and the measurement pages names
+the date it was measured at. No MPI job; only the signature check imports torch."""
 
 from __future__ import annotations
 
@@ -204,3 +205,88 @@ def test_constants_quoted_in_the_architecture_match_the_code(pattern, value):
     found = re.findall(pattern, text)
     assert found, f"docs no longer say {pattern!r}: update this test with the docs"
     assert all(float(quoted.replace(",", "")) == value for quoted in found), (pattern, found, value)
+
+
+# ------------------------------------------------------------------ dated figures
+#: Pages whose figures are measurements; each figure names the date it was measured at.
+MEASURED_PAGES = ("README.md", "docs/benchmarks.md", "docs/scaling.md", "docs/decisions.md", "docs/elastic.md",
+                  "bench/gpu/README.md")
+
+#: A measured figure: a time (ms, µs, us, seconds with decimals, "33 min 52 s"), a rate, a
+#: share (%), or a ratio: a number followed by × (but not the count of "100 × 16 KiB").
+FIGURE = re.compile(r"\d(?:[\d,]*\d)?(?:\.\d+)?\s?(?:ms|µs|us|GB/s|MB/s|TB/s|Gbit/s|%)(?![\w/])"
+                    r"|\d(?:\.\d+)?\s?×(?!\s?\d)"
+                    r"|\d\.\d+\s?s\b"
+                    r"|\d+ min \d+ s\b")
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def _blocks(text: str) -> list:
+    """The page's headings, paragraphs and tables as lists of (line number, line), outside
+    code blocks; a paragraph ends at a blank line or a heading."""
+    blocks, current, fenced = [], [], False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.strip() and not line.startswith("#") and (
+                not current or current[-1][1].startswith("|") == line.startswith("|")):
+            current.append((number, line))
+            continue
+        if current:
+            blocks.append(current)
+            current = []
+        if not fenced and line.startswith("#"):
+            blocks.append([(number, line)])
+        elif not fenced and line.strip() and not line.lstrip().startswith("```"):
+            current = [(number, line)]  # a table right after its caption, or the reverse
+    if current:
+        blocks.append(current)
+    return blocks
+
+
+def _undated_figure_lines(text: str) -> list:
+    """[(line number, line)] of the figure lines that name no date. A figure line is dated
+    when its paragraph or table names a date (a table together with the paragraph right
+    before it, which introduces it), or the heading or first paragraph of a section
+    (## or deeper) that holds it."""
+    undated = []
+    sections = []  # [level, dated, lead still to come] of the headings above
+    previous = None
+    for block in _blocks(text):
+        first = block[0][1]
+        if first.startswith("#"):
+            level = len(first) - len(first.lstrip("#"))
+            sections = [section for section in sections if section[0] < level]
+            sections.append([level, level >= 2 and bool(DATE.search(first)), level >= 2])
+            previous = None
+            continue
+        words = "\n".join(line for _, line in block)
+        is_table = first.startswith("|")
+        for section in sections:
+            if section[2]:
+                section[2] = False
+                section[1] = section[1] or (not is_table and bool(DATE.search(words)))
+        dated = bool(DATE.search(words)) or any(section[1] for section in sections)
+        if is_table and previous is not None and not previous[0][1].startswith("|"):
+            dated = dated or bool(DATE.search("\n".join(line for _, line in previous)))
+        if not dated:
+            undated.extend((number, line) for number, line in block if FIGURE.search(line))
+        previous = block
+    return undated
+
+
+def test_the_figure_rule_finds_undated_figures():
+    page = ("# Page\n\n## Speed\n\nA step took 1.5 ms, 0.8 × MPI's.\n\n100 × 16 KiB tensors.\n\n"
+            "## Latency (2026-11-28 at 348283d)\n\n| size | ms |\n|---|---|\n| 4 B | 0.27 ms |\n\n"
+            "### Since\n\nMeasured 2026-11-28.\n\nIt took 2 ms.\n\n## Tables\n\nAt 348283d, 2026-11-28:\n\n"
+            "| size | ms |\n|---|---|\n| 4 B | 0.27 ms |\n\n```\n0.3 ms\n```\n")
+    assert _undated_figure_lines(page) == [(5, "A step took 1.5 ms, 0.8 × MPI's.")]
+
+
+@pytest.mark.parametrize("page", MEASURED_PAGES)
+def test_every_figure_names_the_date_it_was_measured_at(page):
+    undated = _undated_figure_lines((ROOT / page).read_text(encoding="utf-8"))
+    assert not undated, (
+        f"figures in {page} that name no date: write the date (YYYY-MM-DD) and the commit they were "
+        f"measured at in their paragraph or table, or in their section's heading or first paragraph:\n"
+        + "\n".join(f"  {page}:{number}: {line.strip()}" for number, line in undated))
