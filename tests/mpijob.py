@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -91,7 +92,28 @@ def _launcher_failed(result: JobResult) -> bool:
     return result.returncode != 0 and not result.stdout and LAUNCH_FAILURE in result.stderr
 
 
+#: Set to a file's path, every job appends a line to it: its test, its wall time and its command's
+#: first words (how many jobs the suite starts, and where its time goes).
+JOB_LOG = "RMTEST_JOB_LOG"
+
+
+def _log_job(command: Sequence[str], seconds: float) -> None:
+    path = os.environ.get(JOB_LOG)
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"{seconds:.2f}\t{test}\t{' '.join(command[:6])[:160]}\n")
+
+
 def _run_once(command: Sequence[str], timeout: float, env, cwd) -> JobResult:
+    started = time.monotonic()
+    try:
+        return _run_bounded(command, timeout, env, cwd)
+    finally:
+        _log_job(command, time.monotonic() - started)
+
+
+def _run_bounded(command: Sequence[str], timeout: float, env, cwd) -> JobResult:
     env = dict(env if env is not None else job_environment())
     env[JOB_MARK] = uuid.uuid4().hex  # every process of the job inherits it: see _kill_group
     process = subprocess.Popen(
