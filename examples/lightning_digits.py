@@ -61,10 +61,10 @@ class DigitsModule(L.LightningModule):
 class EpochReport(L.Callback):
     """Rank 0 prints one line per epoch: the metrics, already averaged over the ranks."""
 
-    def on_validation_epoch_end(self, trainer, module):
-        if trainer.is_global_zero and not trainer.sanity_checking:
+    def on_train_epoch_end(self, trainer, module):  # after the epoch's validation
+        if trainer.is_global_zero:
             metrics = trainer.callback_metrics
-            print(f"epoch {trainer.current_epoch + 1}: loss {float(metrics.get('train_loss', float('nan'))):.4f}  "
+            print(f"epoch {trainer.current_epoch + 1}: loss {float(metrics['train_loss']):.4f}  "
                   f"validation accuracy {float(metrics['val_accuracy']):.3f} (mean of {trainer.world_size} ranks)",
                   flush=True)
 
