@@ -50,9 +50,19 @@ def test_two_ranks_fit_like_one_process_on_the_double_batch_and_resume_at_one_ra
     written = re.findall(r"^\[(\d)\]: WROTE \d (\S+)", train.stdout, re.M)
     assert written == [("0", "epoch=0.ckpt"), ("0", "epoch=1.ckpt")], output
     assert values(train, "FILES") == {0: "epoch=0.ckpt epoch=1.ckpt", 1: "epoch=0.ckpt epoch=1.ckpt"}, output
+    # The LR scheduler made in configure_optimizers drives the wrapped optimizer, without torch's
+    # or DistributedOptimizer's warnings about a scheduler on another optimizer.
+    for warning in ("Detected call of", "overridden after learning rate scheduler", "wrapped on the instance"):
+        assert warning not in train.output, output
     # trainer.test: the same test loss on both ranks (checked against one process below).
     tested = values(train, "TEST")
     assert sorted(tested) == [0, 1] and tested[0] == tested[1], output
+    # The strategy's collectives, as Lightning's callbacks call them: all_gather stacks, broadcast
+    # takes any object from src, reduce averages by default, sums, takes the max (torch's ReduceOp),
+    # and a boolean decision is all() or any() over the ranks.
+    assert values(train, "GATHER") == {r: "(2, 1) [1.0, 2.0]" for r in (0, 1)}, output
+    assert values(train, "BROADCAST") == {r: "{'from': 1}" for r in (0, 1)}, output
+    assert values(train, "REDUCE") == {r: "1.5 3.0 2.0 False True" for r in (0, 1)}, output
     # Then rank 1 raised at its third step: the job ended (no hang) with its error, naming rank 1.
     assert train.returncode != 0, output
     assert f"[1]: RuntimeError: {FAIL_MESSAGE}" in train.stdout + train.stderr, output

@@ -27,6 +27,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -46,7 +47,8 @@ def data(seed: int, samples: int = SAMPLES):
 
 
 class Regression(L.LightningModule):
-    """A small MLP on a regression; logs a validation value that differs per rank."""
+    """A small MLP on a regression, SGD with momentum and a learning rate decayed every 3 steps;
+    logs a validation value that differs per rank."""
 
     def __init__(self, fail_rank: int = -1):
         super().__init__()
@@ -69,7 +71,10 @@ class Regression(L.LightningModule):
         self.log("test_loss", F.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        # Made on the optimizer before the strategy wraps it: the strategy moves it over.
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class Snapshots(Callback):
@@ -121,6 +126,14 @@ def train(folder: pathlib.Path):
     fit.strategy.barrier()
     result = fit.test(model, loader(data(2, 32), BATCH), verbose=False)
     print(f"TEST {rank} {result[0]['test_loss']!r}", flush=True)
+    strategy = fit.strategy  # what Lightning's callbacks and loops call
+    gathered = strategy.all_gather(torch.tensor([rank + 1.0]))
+    print(f"GATHER {rank} {tuple(gathered.shape)} {gathered.flatten().tolist()}", flush=True)
+    print(f"BROADCAST {rank} {strategy.broadcast({'from': rank}, src=1)}", flush=True)
+    one = torch.tensor(rank + 1.0)
+    print(f"REDUCE {rank} {strategy.reduce(one).item()} {strategy.reduce(one, reduce_op='sum').item()} "
+          f"{strategy.reduce(one, reduce_op=ReduceOp.MAX).item()} {strategy.reduce_boolean_decision(rank == 0)} "
+          f"{strategy.reduce_boolean_decision(rank == 0, all=False)}", flush=True)
     failing = trainer(strategy="ringmaster", max_epochs=1)
     failing.fit(Regression(fail_rank=1), loader(data(0), BATCH))
     print(f"NOT REACHED {rank}", flush=True)

@@ -34,6 +34,8 @@ The module fails on import, naming the ``lightning`` extra, where Lightning is n
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -179,12 +181,42 @@ class RingmasterStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             if not hasattr(optimizer, "_ringmaster_base"):
-                optimizer = DistributedOptimizer(optimizer, named_parameters=self._named_parameters(optimizer),
-                                                 backward_passes_per_step=accumulate, **self._optimizer_options)
+                original = optimizer
+                with warnings.catch_warnings():  # the schedulers are moved over just below
+                    warnings.filterwarnings("ignore", message="this optimizer's step.. was wrapped on the instance")
+                    optimizer = DistributedOptimizer(original, named_parameters=self._named_parameters(original),
+                                                     backward_passes_per_step=accumulate, **self._optimizer_options)
+                self._move_schedulers(original, optimizer)
             wrapped.append(optimizer)
             # The wait happens in post_backward, before clipping; the step must not wait again.
             self._skipping.enter_context(optimizer.skip_synchronize())
         self.optimizers = wrapped
+
+    def _move_schedulers(self, original, wrapped) -> None:
+        """Point the LR schedulers made on ``original`` (in ``configure_optimizers``) at ``wrapped``.
+
+        Both share their parameter groups, so the learning rates a scheduler sets reach either;
+        but torch's schedulers count the steps of the optimizer they were made on (a wrapper
+        of its ``step`` on the instance) and warn when it never steps. ``wrapped`` gets the
+        same counting wrapper.
+        """
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs
+                      if getattr(config.scheduler, "optimizer", None) is original]
+        if not schedulers:
+            return
+        step = type(wrapped).step
+        reference = weakref.ref(wrapped)
+
+        def counted_step(*args, **kwargs):
+            optimizer = reference()
+            optimizer._opt_called = True
+            return step(optimizer, *args, **kwargs)
+
+        counted_step._wrapped_by_lr_sched = True  # what torch's schedulers look for
+        wrapped.step = counted_step
+        wrapped._opt_called = getattr(original, "_opt_called", False)
+        for scheduler in schedulers:
+            scheduler.optimizer = wrapped
 
     def _named_parameters(self, optimizer) -> list:
         """The module's (name, parameter) pairs that ``optimizer`` updates."""
