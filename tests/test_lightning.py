@@ -50,6 +50,9 @@ def test_two_ranks_fit_like_one_process_on_the_double_batch_and_resume_at_one_ra
     written = re.findall(r"^\[(\d)\]: WROTE \d (\S+)", train.stdout, re.M)
     assert written == [("0", "epoch=0.ckpt"), ("0", "epoch=1.ckpt")], output
     assert values(train, "FILES") == {0: "epoch=0.ckpt epoch=1.ckpt", 1: "epoch=0.ckpt epoch=1.ckpt"}, output
+    # accumulate_grad_batches=2 on half batches: gradients reduced once per step, the same weights.
+    accumulated = values(train, "ACCUMULATE_DIFF")
+    assert sorted(accumulated) == [0, 1] and all(float(d) < 1e-5 for d in accumulated.values()), output
     # The LR scheduler made in configure_optimizers drives the wrapped optimizer, without torch's
     # or DistributedOptimizer's warnings about a scheduler on another optimizer.
     for warning in ("Detected call of", "overridden after learning rate scheduler", "wrapped on the instance"):

@@ -2,7 +2,8 @@
 
 ``train DIR`` (2 ranks under ringrun): ``fit`` 2 epochs with ``strategy="ringmaster"`` (batch
 BATCH per rank), a checkpoint per epoch through ModelCheckpoint, a validation metric
-logged with ``sync_dist=True`` whose value differs per rank, ``trainer.test``; then a second
+logged with ``sync_dist=True`` whose value differs per rank; the same fit again with half the
+batch and ``accumulate_grad_batches=2``; ``trainer.test``; the strategy's collectives; then a second
 ``fit`` in which rank 1 raises at its third step, which ends the job.
 
 ``resume DIR`` (1 rank under ringrun): the reference, plain Lightning (its default strategy) on one
@@ -124,6 +125,12 @@ def train(folder: pathlib.Path):
     print(f"METRIC {rank} {float(fit.callback_metrics['rank_value'])}", flush=True)
     print(f"FILES {rank} {' '.join(sorted(p.name for p in folder.iterdir()))}", flush=True)
     fit.strategy.barrier()
+    # Half the batch, 2 backward passes per step: the same steps (each rank's two half batches are its batch).
+    accumulated = Regression()
+    half = trainer(strategy="ringmaster", max_epochs=2, accumulate_grad_batches=2)
+    half.fit(accumulated, loader(data(0), BATCH // 2))
+    difference = max_difference(accumulated.state_dict(), model.state_dict())
+    print(f"ACCUMULATE_DIFF {rank} {difference!r}", flush=True)
     result = fit.test(model, loader(data(2, 32), BATCH), verbose=False)
     print(f"TEST {rank} {result[0]['test_loss']!r}", flush=True)
     strategy = fit.strategy  # what Lightning's callbacks and loops call

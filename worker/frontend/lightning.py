@@ -44,6 +44,7 @@ try:
     from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+    from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 except ImportError as error:  # the base install does not bring Lightning
     raise ImportError(f"ringmaster.lightning needs Lightning 2.x (the `lightning` package), which is not "
@@ -172,7 +173,7 @@ class RingmasterStrategy(ParallelStrategy):
         """Lightning's setup, then rank 0's parameters on every rank and the optimizers wrapped."""
         super().setup(trainer)
         self._trainer = trainer
-        if not trainer.training:
+        if trainer.state.fn != TrainerFn.FITTING:  # validate, test, predict: no optimizers
             return
         assert self.lightning_module is not None
         broadcast_parameters(self.lightning_module.state_dict(), root_rank=0)
