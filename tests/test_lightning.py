@@ -24,9 +24,10 @@ needs_lightning = pytest.mark.skipif(importlib.util.find_spec("lightning") is No
                                      reason="the `lightning` package is not installed (pip install '.[lightning]')")
 
 
-def ringrun(ranks: int, *command, timeout: float):
+def ringrun(ranks: int, *command, timeout: float, cwd):
+    """Run ``command`` on ``ranks`` ranks under ringrun, in ``cwd`` (where Lightning may write)."""
     return run_command([sys.executable, "-m", "ringmaster.launch", "-np", str(ranks), sys.executable,
-                        *map(str, command)], timeout=timeout, env=job_environment())
+                        *map(str, command)], timeout=timeout, env=job_environment(), cwd=str(cwd))
 
 
 def values(result, key: str) -> dict:
@@ -38,7 +39,7 @@ def values(result, key: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_ranks_fit_like_one_process_on_the_double_batch_and_resume_at_one_rank(tmp_path):
-    train = ringrun(2, JOB, "train", tmp_path, timeout=200)
+    train = ringrun(2, JOB, "train", tmp_path, timeout=200, cwd=tmp_path)
     output = train.output[-6000:]
     # Trainer(strategy="ringmaster") after `import ringmaster.lightning`: the job's ranks and size.
     assert values(train, "STRATEGY") == {0: "RingmasterStrategy 2 0", 1: "RingmasterStrategy 2 1"}, output
@@ -72,7 +73,7 @@ def test_two_ranks_fit_like_one_process_on_the_double_batch_and_resume_at_one_ra
     assert re.search(r"rank 1 \(host [^)]*\)", train.output), output
     assert "NOT REACHED" not in train.stdout, output
 
-    resume = ringrun(1, JOB, "resume", tmp_path, timeout=200)
+    resume = ringrun(1, JOB, "resume", tmp_path, timeout=200, cwd=tmp_path)
     output = resume.output[-6000:]
     assert resume.returncode == 0, output
     # The 2-rank fit equals one process trained on the 2× batch.
@@ -89,14 +90,14 @@ def test_two_ranks_fit_like_one_process_on_the_double_batch_and_resume_at_one_ra
 @pytest.mark.timeout(300)
 def test_lightning_digits_example_trains_on_two_ranks(tmp_path):
     result = ringrun(2, ROOT / "examples" / "lightning_digits.py", "--epochs", "4", "--checkpoint-dir", tmp_path,
-                     timeout=240)
+                     timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.output[-4000:]
     epochs = re.findall(r"epoch (\d+): loss ([0-9.]+)", result.stdout)
     assert [int(epoch) for epoch, _ in epochs] == [1, 2, 3, 4], result.stdout
     assert float(epochs[-1][1]) < float(epochs[0][1]), result.stdout
     accuracy = float(re.search(r"final test accuracy ([0-9.]+) on 2 ranks", result.stdout).group(1))
     assert accuracy >= 0.9, result.stdout
-    assert (tmp_path / "last.ckpt").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt"]  # rank 0's, and nothing else
 
 
 @pytest.mark.timeout(120)

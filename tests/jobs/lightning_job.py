@@ -106,6 +106,9 @@ def reference_loader(dataset, batch):
 
 
 def trainer(**options):
+    """A quiet Trainer on the CPU; it writes checkpoints only where a ModelCheckpoint is given."""
+    checkpoints = any(isinstance(callback, ModelCheckpoint) for callback in options.get("callbacks", ()))
+    options.setdefault("enable_checkpointing", checkpoints)
     return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                      num_sanity_val_steps=0, deterministic=True, **options)
 
