@@ -34,6 +34,10 @@ COORDINATOR = "ringmaster.coordinator"
 #: where initializing MPI would hang): never torch, never MPI.
 NO_TORCH = (COORDINATOR, LAUNCH, "ringmaster.common", "ringmaster.proto")
 HEAVY = ("torch", "mpi4py")
+#: Public modules of an optional extra, next to ringmaster/__init__.py, each re-exporting one
+#: frontend module (``import ringmaster.lightning``); nothing imports them, and only they may
+#: import that module from outside worker/.
+EXTRA_ENTRIES = {"ringmaster.lightning": f"{FRONTEND}.lightning"}
 
 
 # ------------------------------------------------------------------ the import graph
@@ -167,7 +171,17 @@ def test_only_the_public_api_imports_the_frontend():
     rule = ("imports run frontend -> runtime -> ops: only the frontend itself and ringmaster.worker "
             "(the public API) import ringmaster.worker.frontend")
     bad = [imp for imp in IMPORTS if _within(imp.target, FRONTEND)
-           and not _within(imp.module, FRONTEND) and imp.module != WORKER]
+           and not _within(imp.module, FRONTEND) and imp.module != WORKER
+           and EXTRA_ENTRIES.get(imp.module) != imp.target]
+    assert not bad, _report(_broken(rule, bad))
+
+
+def test_an_extras_entry_module_is_imported_by_no_one():
+    """``ringmaster.lightning`` is the user's to import: a module of the tree that imported it would load
+    an optional package (and the whole worker) where the base install must not need it."""
+    assert all(name in MODULES for name in EXTRA_ENTRIES), sorted(EXTRA_ENTRIES)
+    rule = "an optional extra's entry module (ringmaster.lightning) is imported by users only, never inside the tree"
+    bad = [imp for imp in IMPORTS if imp.target in EXTRA_ENTRIES]
     assert not bad, _report(_broken(rule, bad))
 
 
