@@ -10,7 +10,9 @@ matching arguments, in the same order, as with MPI itself.
 * :func:`quantized_ring_allreduce` — the ring moving a codec's 8-bit encoding (float32).
 * :func:`adasum_allreduce` — Adasum's pairwise tree by recursive halving, per fused tensor.
 * :func:`hierarchical_allreduce` — shared memory within each host, the ring between hosts.
-* :func:`allgatherv`, :func:`broadcast`, :func:`alltoallv`, :func:`reducescatter`.
+* :func:`reducescatter` — the ring's scatter-reduce half, or MPI_Reduce_scatter below the
+  allreduce's crossover (:func:`ring_reducescatter`, :func:`mpi_reducescatter`).
+* :func:`allgatherv`, :func:`broadcast`, :func:`alltoallv`.
 
 Supported dtypes: float16, float32, float64, int32, int64, uint8, bool; ops: "sum",
 "min", "max", "prod" (on bool: sum/max = logical or, prod/min = logical and).
@@ -20,9 +22,10 @@ from .adasum import adasum_allreduce
 from .allreduce import allreduce, choose_algorithm, ring_min_bytes
 from .dtypes import SUPPORTED_DTYPES, SUPPORTED_OPS
 from .hierarchical import hierarchical_allreduce
-from .mpi_collectives import (allgatherv, alltoallv, broadcast, can_start_allreduce, mpi_allreduce, reducescatter,
-                              start_allreduce)
+from .mpi_collectives import (allgatherv, alltoallv, broadcast, can_start_allreduce, mpi_allreduce,
+                              mpi_reducescatter, start_allreduce)
 from .quantized_ring import quantized_ring_allreduce
+from .reducescatter import reducescatter, ring_reducescatter
 from .ring import DEFAULT_SEGMENT_BYTES, NETWORK_SEGMENT_BYTES, ring_allreduce
 
 __all__ = [
@@ -40,8 +43,10 @@ __all__ = [
     "hierarchical_allreduce",
     "ring_min_bytes",
     "mpi_allreduce",
+    "mpi_reducescatter",
     "quantized_ring_allreduce",
     "reducescatter",
     "ring_allreduce",
+    "ring_reducescatter",
     "start_allreduce",
 ]

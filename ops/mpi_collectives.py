@@ -182,8 +182,10 @@ def alltoallv(comm: MPI.Comm, sendbuf: np.ndarray, sendcounts, recvcounts) -> np
     return recvbuf
 
 
-def reducescatter(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", counts=None) -> np.ndarray:
-    """Reduce ``buffer`` across ranks and return this rank's part of the result.
+def mpi_reducescatter(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", counts=None) -> np.ndarray:
+    """Reduce ``buffer`` across ranks with MPI_Reduce_scatter; return this rank's part of the result.
+
+    :func:`ringmaster.ops.reducescatter` calls this below the ring's crossover.
 
     The reduced array is split in rank order into parts of ``counts[i]`` elements (zero
     allowed; ``sum(counts) == buffer.size``); rank i gets part i as a new array.

@@ -20,7 +20,8 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 
 from .adasum import adasum_allreduce
 from .allreduce import allreduce as host_allreduce
-from .mpi_collectives import allgatherv, alltoallv, broadcast, reducescatter
+from .mpi_collectives import allgatherv, alltoallv, broadcast
+from .reducescatter import reducescatter
 from .quantized_ring import quantized_ring_allreduce
 
 

@@ -24,7 +24,7 @@ import sys, zlib
 import numpy as np
 from mpi4py import MPI
 from ringmaster.ops import (allgatherv, allreduce, alltoallv, broadcast, mpi_allreduce,
-                            reducescatter, ring_allreduce)
+                            reducescatter, ring_allreduce, ring_reducescatter)
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -226,6 +226,21 @@ for dtype in DTYPES:
             check(f"reducescatter {dtype} {op} counts={counts}", got,
                   want[bounds[rank]:bounds[rank + 1]])
             check(f"reducescatter {dtype} {op} leaves its input alone", source, inputs[rank])
+            # The ring's scatter-reduce, called directly: every dtype and op, a rank with nothing.
+            ring_counts = counts or [len(c) for c in np.array_split(want, size)]
+            got = ring_reducescatter(comm, source, op, ring_counts)
+            check(f"ring_reducescatter {dtype} {op} counts={ring_counts}", got,
+                  want[bounds[rank]:bounds[rank + 1]])
+            check(f"ring_reducescatter {dtype} {op} leaves its input alone", source, inputs[rank])
+
+# reducescatter above the ring's crossover (4 MiB at 4 ranks) runs the ring: uneven parts.
+n = 1_100_001
+inputs = [make((9, k), "float32", "sum", n) for k in range(size)]
+want = reduce_all(inputs, "sum")
+counts = [n - 1000 * (size - 1)] + [1000] * (size - 1)
+bounds = np.cumsum([0] + counts)
+check("reducescatter 4.4 MB float32 (the ring)", reducescatter(comm, inputs[rank], "sum", counts),
+      want[bounds[rank]:bounds[rank + 1]])
 report()
 '''
 

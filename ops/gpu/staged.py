@@ -32,6 +32,7 @@ from ringmaster.ops import mpi_collectives
 from ringmaster.ops.adasum import adasum_allreduce
 from ringmaster.ops.allreduce import allreduce as host_allreduce
 from ringmaster.ops.quantized_ring import run_quantized_ring
+from ringmaster.ops.reducescatter import reducescatter
 from ringmaster.ops.ring import DEFAULT_SEGMENT_BYTES, chunk_bounds
 
 #: Smallest chunk the pipeline cuts: below it a host collective's fixed cost dominates.
@@ -144,7 +145,7 @@ class StagedTransport:
 
     def reducescatter(self, array, recv, op: str, counts) -> None:
         """Reduce ``array``; this rank's ``counts[rank]`` elements of the result into ``recv``."""
-        result = mpi_collectives.reducescatter(self.comm, self._down(array), op, counts)
+        result = reducescatter(self.comm, self._down(array), op, counts)
         self._up(result, recv)
 
     def close(self) -> None:
