@@ -18,6 +18,9 @@ Three kinds:
   ``Compression.topk(...)``): instances with per-tensor state that send each rank's
   selected entries through one sparse allgather (``worker/compression/rgc.py``); for
   ``DistributedOptimizer`` only.
+* **Low-rank** (``Compression.powersgd(...)``: Vogels et al.'s PowerSGD): an instance that
+  takes every gradient of a step at once and sends two fused buffers of rank-``r`` factors
+  (``worker/compression/powersgd.py``); for ``DistributedOptimizer`` only.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ringmaster.worker.compression import quantization as q
+from ringmaster.worker.compression.powersgd import PowerSGDCompressor
 from ringmaster.worker.compression.rgc import RGCCompressor, TopKCompressor
 
 
@@ -139,8 +143,8 @@ class Compression:
     """The built-in compressors.
 
     ``none``, ``fp16``, ``bf16``, ``int8`` and ``linear8`` are stateless classes;
-    ``rgc(...)`` and ``topk(...)`` build a compressor with per-tensor state, one per
-    ``DistributedOptimizer``.
+    ``rgc(...)``, ``topk(...)`` and ``powersgd(...)`` build a compressor with per-tensor state,
+    one per ``DistributedOptimizer``.
     """
 
     none = NoneCompressor
@@ -151,3 +155,4 @@ class Compression:
 
     rgc = RGCCompressor
     topk = TopKCompressor
+    powersgd = PowerSGDCompressor
