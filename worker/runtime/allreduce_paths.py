@@ -47,7 +47,8 @@ class AllreducePaths:
             self._allreduce_adasum(response, group, device)
             return
         dtype = SUPPORTED_DTYPES[response.dtype]
-        if dtype == torch.bfloat16 and response.reduce_op in (pb.SUM, pb.AVERAGE) and group.size > 1:
+        if (dtype == torch.bfloat16 and response.reduce_op in (pb.SUM, pb.AVERAGE) and group.size > 1
+                and device.kind == "cpu"):
             self._allreduce_bf16(response, group, device)
             return
         entries = [self._take(response, name, device) for name in response.names]
@@ -128,7 +129,8 @@ class AllreducePaths:
         allgather then gives every rank every chunk. Each rank sends ``2 (N-1)/N`` of the
         buffer at 2 bytes a value, half of the float32 ring's bytes, and the result is
         the float32 sum rounded once, as before, bit-identical on every rank. Min, Max and
-        Product still go through float32 (``reduction_dtype``).
+        Product still go through float32 (``reduction_dtype``), and so do CUDA tensors: the
+        path is written against the transport's byte collectives, but has not run on a GPU.
         """
         entries = [self._take(response, name, device) for name in response.names]
         shapes = [tuple(shape.dims) for shape in response.shapes]
