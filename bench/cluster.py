@@ -71,6 +71,7 @@ def main():
     parser.add_argument("--pairs", type=int, default=2, help="flat/hierarchical job pairs with --hierarchical")
     parser.add_argument("--powersgd", action="store_true",
                         help="also bench/powersgd.py (PowerSGD against DDP's powerSGD_hook, digits)")
+    parser.add_argument("--powersgd-hidden", type=int, default=1024, help="bench/powersgd.py --hidden")
     parser.add_argument("--skip-link", action="store_true", help="skip the link_allreduce table")
     args = parser.parse_args()
     reason = ncl.unavailable_reason()
@@ -96,7 +97,8 @@ def main():
                                                      "--warmup", 1), timeout=1800)
             print(table(out), flush=True)
         if args.powersgd:
-            out = run_on_first_host(cluster, ringrun(cluster, "powersgd.py"), timeout=1800)
+            out = run_on_first_host(cluster, ringrun(cluster, "powersgd.py", "--hidden", args.powersgd_hidden),
+                                    timeout=1800)
             print(table(out), flush=True)
         for _ in range(args.pairs if args.hierarchical else 0):
             for flags in ([], ["--hierarchical-allreduce"]):
