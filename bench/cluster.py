@@ -15,7 +15,9 @@ from host 1, in one run:
 4. with ``--hybrid``, ``bench/hybrid.py``: HybridParallel's schemes against data parallelism
    on the AlexNet-shaped model, one rank per host;
 5. with ``--hierarchical L``, ``bench/hierarchical.py``: L ranks per host, the in-place
-   allreduce flat and with ``--hierarchical-allreduce``, jobs alternating.
+   allreduce flat and with ``--hierarchical-allreduce``, jobs alternating;
+6. with ``--powersgd``, ``bench/powersgd.py``: ``Compression.powersgd`` against DDP's
+   ``powerSGD_hook`` at the same rank on the same model (digits), one rank per host.
 
 Prints each table as it comes. Needs root, ``ip netns``, tc and sshd
 (``bash tests/cluster/setup.sh`` installs what is missing); the cluster is torn down at the
@@ -67,6 +69,10 @@ def main():
     parser.add_argument("--hierarchical", type=int, default=0, metavar="L",
                         help="also flat vs hierarchical allreduce with L ranks per host (bench/hierarchical.py)")
     parser.add_argument("--pairs", type=int, default=2, help="flat/hierarchical job pairs with --hierarchical")
+    parser.add_argument("--powersgd", action="store_true",
+                        help="also bench/powersgd.py (PowerSGD against DDP's powerSGD_hook, digits)")
+    parser.add_argument("--powersgd-hidden", type=int, default=1024, help="bench/powersgd.py --hidden")
+    parser.add_argument("--skip-link", action="store_true", help="skip the link_allreduce table")
     args = parser.parse_args()
     reason = ncl.unavailable_reason()
     if reason:
@@ -78,9 +84,10 @@ def main():
         back = cluster.throughput_mbit(second, first, nbytes=50_000_000, timeout=120)
         print(f"{args.hosts} hosts, links capped at {args.rate} ({line_mbit / 8:.0f} MB/s); raw TCP, one stream: "
               f"{there / 8:.1f} MB/s {first.name} -> {second.name}, {back / 8:.1f} MB/s back\n", flush=True)
-        out = run_on_first_host(cluster, ringrun(cluster, "link_allreduce.py", "--sizes", args.sizes, "--reps",
-                                                 args.reps, "--line-rate-mbit", line_mbit), timeout=1200)
-        print(table(out) + "\n", flush=True)
+        if not args.skip_link:
+            out = run_on_first_host(cluster, ringrun(cluster, "link_allreduce.py", "--sizes", args.sizes, "--reps",
+                                                     args.reps, "--line-rate-mbit", line_mbit), timeout=1200)
+            print(table(out) + "\n", flush=True)
         if not args.skip_training:
             out = run_on_first_host(cluster, ringrun(cluster, "compression.py", "--rounds", args.rounds, "--steps", 2,
                                                      "--warmup", 1), timeout=1800)
@@ -88,6 +95,10 @@ def main():
         if args.hybrid:
             out = run_on_first_host(cluster, ringrun(cluster, "hybrid.py", "--rounds", args.rounds, "--steps", 2,
                                                      "--warmup", 1), timeout=1800)
+            print(table(out), flush=True)
+        if args.powersgd:
+            out = run_on_first_host(cluster, ringrun(cluster, "powersgd.py", "--hidden", args.powersgd_hidden),
+                                    timeout=1800)
             print(table(out), flush=True)
         for _ in range(args.pairs if args.hierarchical else 0):
             for flags in ([], ["--hierarchical-allreduce"]):

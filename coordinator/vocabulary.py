@@ -31,9 +31,9 @@ REDUCTIONS = (pb.ALLREDUCE, pb.REDUCESCATTER)
 RUNNABLE_REDUCTIONS = (pb.AVERAGE, pb.SUM, pb.MIN, pb.MAX, pb.PRODUCT, pb.ADASUM)
 
 # ---------------------------------------------------------------------- dtypes
-#: Bytes per element of each dtype as it travels and is reduced (bfloat16 in float32).
+#: Bytes per element of each dtype as it travels (bfloat16 at 2 bytes, added in float32 per chunk).
 WIRE_ITEMSIZE = {
-    "float16": 2, "bfloat16": 4, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
     "int16": 2, "int32": 4, "int64": 8, "bool": 1,
 }
 FLOATING_DTYPES = ("float16", "bfloat16", "float32", "float64")

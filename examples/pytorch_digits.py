@@ -3,7 +3,8 @@
     ringrun -np 2 python examples/pytorch_digits.py
     ringrun -np 2 python examples/pytorch_digits.py --epochs 5 --checkpoint digits.pt
     ringrun -np 2 python examples/pytorch_digits.py --epochs 10 --checkpoint digits.pt --resume
-    ringrun -np 2 python examples/pytorch_digits.py --compression int8     # or fp16, linear8, rgc, topk
+    ringrun -np 2 python examples/pytorch_digits.py --compression int8     # or fp16, bf16, linear8, rgc, topk
+    ringrun -np 2 python examples/pytorch_digits.py --compression powersgd --powersgd-rank 4
     ringrun -np 4 python examples/pytorch_digits.py --use-adasum           # Adasum, single-rank learning rate
 
 The 1 797 8×8 digit images that ship with scikit-learn (no download) are split once, with a
@@ -13,10 +14,12 @@ ranks while backward runs, so all ranks take the same step, and the learning rat
 by the number of ranks because the global batch is that many times larger. Rank 0 writes
 the checkpoints; with --resume, training continues after the checkpoint's epoch.
 
---compression picks how gradients travel: fp16, 8-bit codes (int8: Dettmers' dynamic tree,
-linear8), or only the largest --ratio of each gradient's entries (rgc: RedSync's residual
-gradient compression, which keeps what it did not send for later steps and applies the
-momentum itself, with momentum correction; topk: the same without residuals).
+--compression picks how gradients travel: fp16 or bf16 (half the bytes; bf16 keeps float32's
+range), 8-bit codes (int8: Dettmers' dynamic tree, linear8), only the largest --ratio of each
+gradient's entries (rgc: RedSync's residual gradient compression, which keeps what it did not
+send for later steps and applies the momentum itself, with momentum correction; topk: the
+same without residuals), or rank---powersgd-rank factors of each weight matrix (powersgd:
+PowerSGD, with error feedback, after --powersgd-start steps of plain averaging).
 
 --use-adasum combines the ranks' updates with Adasum (``op=rm.Adasum``) instead of averaging
 their gradients, at the single-rank learning rate unless --lr-scaler says otherwise.
@@ -56,10 +59,10 @@ def load_data():
 
 
 MOMENTUM = 0.9
-COMPRESSIONS = ("none", "fp16", "int8", "linear8", "rgc", "topk")
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "linear8", "rgc", "topk", "powersgd")
 
 
-def make_compression(name: str, ratio: float, momentum: float):
+def make_compression(name: str, ratio: float, momentum: float, powersgd_rank: int = 4, powersgd_start: int = 20):
     """(compression, momentum left to the optimizer) for --compression.
 
     rgc applies the momentum itself (momentum correction: every entry accumulates its
@@ -69,6 +72,8 @@ def make_compression(name: str, ratio: float, momentum: float):
         return rm.Compression.rgc(ratio=ratio, momentum=momentum, min_size=1024, warmup_steps=20), 0.0
     if name == "topk":
         return rm.Compression.topk(ratio=ratio, min_size=1024), momentum
+    if name == "powersgd":
+        return rm.Compression.powersgd(rank=powersgd_rank, start_iter=powersgd_start), momentum
     return getattr(rm.Compression, name), momentum
 
 
@@ -147,6 +152,9 @@ def main():
                         help="how gradients travel (default: as they are)")
     parser.add_argument("--ratio", type=float, default=0.01,
                         help="rgc/topk: the fraction of each gradient's entries sent per step")
+    parser.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: the rank of the factors")
+    parser.add_argument("--powersgd-start", type=int, default=20,
+                        help="powersgd: steps of plain averaging before compression starts")
     args = parser.parse_args()
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint PATH")
@@ -165,7 +173,8 @@ def main():
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
 
     model = create_model().to(device)
-    compression, optimizer_momentum = make_compression(args.compression, args.ratio, MOMENTUM)
+    compression, optimizer_momentum = make_compression(args.compression, args.ratio, MOMENTUM, args.powersgd_rank,
+                                                       args.powersgd_start)
     # Average: the batch is size() times larger, and so is the learning rate. Adasum adapts the
     # step itself (docs/api.md): the single-rank learning rate, as in Horovod's examples.
     lr_scaler = args.lr_scaler if args.lr_scaler is not None else (1.0 if args.use_adasum else rm.size())

@@ -1,5 +1,6 @@
 """Gradient compression through real mpirun jobs: 8-bit wire formats in allreduce and
-DistributedOptimizer, residual gradient compression, against exact references."""
+DistributedOptimizer, bfloat16 on the wire, residual gradient compression, against exact
+references."""
 
 import pathlib
 
@@ -26,3 +27,27 @@ def test_sparse_allgather_of_packed_messages_equals_the_dense_sum(np):
     """Overlapping, disjoint and empty selections, float16/32/64, and RGC's own messages
     (plain and quantized) through a real allgather."""
     assert_job_passed(mpirun(np, (JOBS / "sparse_allgather.py").read_text(), timeout=90), np)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np", [2, 4])
+def test_bfloat16_travels_at_two_bytes_and_sums_in_float32(np):
+    """bfloat16 allreduces (alone, fused, in place, scaled; chunks empty for some ranks) equal
+    the float32 sum rounded once, bit-identical on every rank; Compression.bf16 keeps float32's
+    range where fp16 overflows; both send half the bytes of float32; DistributedOptimizer with
+    Compression.bf16 equals one process applying the same rounding."""
+    result = mpirun(np, (JOBS / "bf16_wire.py").read_text(), timeout=140)
+    assert_job_passed(result, np)
+    assert len(result.lines_starting("BYTES")) == 1
+
+
+@pytest.mark.timeout(120)
+def test_powersgd_equals_one_process_running_the_same_algorithm():
+    """Compression.powersgd at rank 2 (Gram-Schmidt, plain averaging for 2 steps, momentum) and
+    rank 3 (QR, compressed from the first step) trains the weights one process gets from the
+    paper's algorithm on every rank's batch; a conv kernel, a small matrix and the biases go
+    uncompressed; two allreduces a step move P and Q (and nothing else: the response cache
+    does not carry them); misuse is refused naming the fix."""
+    result = mpirun(2, (JOBS / "powersgd.py").read_text(), timeout=110)
+    assert_job_passed(result, 2)
+    assert len(result.lines_starting("BYTES")) == 1

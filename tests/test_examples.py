@@ -60,6 +60,21 @@ def test_digits_example_reaches_95_percent_on_four_ranks():
     check_digits_run(run_example(4, "pytorch_digits.py", timeout=80))
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("compression, within", [("bf16", 0.002), ("powersgd", 0.01)])
+def test_digits_with_bf16_or_powersgd_stays_close_to_float32(digits_on_two_ranks, compression, within):
+    """The 10 epochs of the README's run with gradients as bfloat16 (half the bytes sent per
+    step) or as rank-4 PowerSGD factors after 20 plain steps: at least 95 %, and within 0.2
+    (bf16) or 1 (powersgd) points of the float32 run's test accuracy."""
+    result = run_example(2, "pytorch_digits.py", "--compression", compression, timeout=90)
+    check_digits_run(result)
+    dense = final_accuracy(digits_on_two_ranks.stdout)
+    assert abs(final_accuracy(result.stdout) - dense) <= within, (result.stdout, dense)
+    if compression == "bf16":
+        sent, dense_sent = kib_sent_per_step(result.stdout), kib_sent_per_step(digits_on_two_ranks.stdout)
+        assert 2 * sent == dense_sent, (sent, dense_sent)
+
+
 @pytest.mark.timeout(150)
 def test_digits_example_resumes_from_its_checkpoint(tmp_path, digits_on_two_ranks):
     checkpoint = tmp_path / "digits.pt"

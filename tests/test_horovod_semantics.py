@@ -5,7 +5,8 @@ tests) runs four sections; the first test checks the whole job, each other test 
 
 * ``gradients``: the backward of every differentiable collective (Horovod 0.28's rules:
   allgather averages, reducescatter multiplies by the set's size for Sum), float32 and float64
-  (float16 for allreduce and allgather), 1-, 2- and 3-d, in the global set and in the set of
+  (float16 for allreduce and allgather, bfloat16 for allreduce and Compression.bf16 beside
+  Compression.fp16), 1-, 2- and 3-d, in the global set and in the set of
   even or odd ranks (sets of one rank at 2 ranks, of two and one at 3), and the literal values
   of issue 29;
 * ``graph``: which results carry a ``grad_fn`` (differentiable calls with grad on; never the

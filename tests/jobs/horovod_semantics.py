@@ -58,9 +58,10 @@ SETS = [("global", rm.global_process_set, list(range(SIZE))),
 #: (name, process set, members) of the sets this rank belongs to, global first
 MY_SETS = [(name, ps, members) for name, ps, members in SETS if RANK in members]
 
-NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+NUMPY = {torch.float16: np.float16, torch.bfloat16: np.float32, torch.float32: np.float32, torch.float64: np.float64,
          torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8}
-TOLERANCE = {torch.float16: (1e-2, 2e-2), torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12)}
+TOLERANCE = {torch.float16: (1e-2, 2e-2), torch.bfloat16: (2e-2, 5e-2), torch.float32: (1e-5, 1e-5),
+             torch.float64: (1e-12, 1e-12)}
 SHAPES = {"1d": (), "2d": (3,), "3d": (2, 3)}  # the dimensions after the first one
 
 
@@ -70,8 +71,12 @@ def seed(*parts) -> int:
 
 
 def normal(shape, dtype, *parts) -> np.ndarray:
-    """Standard normal values in ``dtype``, the same on every rank for the same ``parts``."""
-    return np.random.default_rng(seed(*parts)).standard_normal(shape).astype(NUMPY[dtype])
+    """Standard normal values in ``dtype``, the same on every rank for the same ``parts``
+    (bfloat16: float32 values that bfloat16 holds exactly)."""
+    values = np.random.default_rng(seed(*parts)).standard_normal(shape).astype(NUMPY[dtype])
+    if dtype == torch.bfloat16:
+        values = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
+    return values
 
 
 def integers(shape, dtype, *parts) -> np.ndarray:
@@ -80,8 +85,10 @@ def integers(shape, dtype, *parts) -> np.ndarray:
     return np.random.default_rng(seed(*parts)).integers(low, high, shape).astype(NUMPY[dtype])
 
 
-def leaf(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array.copy()).requires_grad_()
+def leaf(array: np.ndarray, dtype=None) -> torch.Tensor:
+    """A leaf tensor that requires grad, of ``array``'s values (in ``dtype`` if given)."""
+    tensor = torch.from_numpy(array.copy())
+    return (tensor if dtype is None else tensor.to(dtype)).requires_grad_()
 
 
 def f64(array) -> np.ndarray:
@@ -147,7 +154,7 @@ def offsets(counts):
 
 def upstream(result: torch.Tensor, *parts) -> torch.Tensor:
     """This rank's loss: sum(result * W), W from a seed (per rank, in the result's dtype)."""
-    weight = torch.from_numpy(normal(tuple(result.shape), result.dtype, *parts, "W", RANK))
+    weight = torch.from_numpy(normal(tuple(result.shape), result.dtype, *parts, "W", RANK)).to(result.dtype)
     return (result * weight).sum()
 
 
@@ -161,7 +168,7 @@ def allreduce_case(set_name, ps, members, dtype, dims, op_name, pre, post):
     case = f"allreduce {op_name} pre={pre} post={post} {dtype} {dims} set={set_name}"
     shape = (4, *SHAPES[dims])
     xs = {r: normal(shape, dtype, case, "x", r) for r in members}
-    x = leaf(xs[RANK])
+    x = leaf(xs[RANK], dtype)
     result = rm.allreduce(x, op=OPS[op_name], prescale_factor=pre, postscale_factor=post, process_set=ps)
     check(f"{case}: result", result, reduce_np(xs.values(), op_name, pre, post), dtype)
     check_true(f"{case}: has grad_fn", result.grad_fn is not None)
@@ -356,18 +363,20 @@ def extra_cases(set_name, ps, members):
         ws = weights_of(members, {r: (5,) for r in members}, torch.float32, case)
         check(f"{case}: grad", x.grad, reduce_np(ws.values(), op_name), torch.float32)
 
-    case = f"allreduce Compression.fp16 set={set_name}"
-    xs = {r: normal((6,), torch.float32, case, "x", r) for r in members}
-    x = leaf(xs[RANK])
-    result = rm.allreduce(x, op=rm.Sum, compression=rm.Compression.fp16, process_set=ps)
-    tally.report(f"{case}: result dtype", result.dtype == torch.float32, str(result.dtype))
-    expected = reduce_np([a.astype(np.float16) for a in xs.values()], "Sum")
-    tally.report(f"{case}: result", np.allclose(result.detach().double().numpy(), expected, rtol=1e-2, atol=2e-2))
-    upstream(result, case).backward()
-    ws = weights_of(members, {r: (6,) for r in members}, torch.float32, case)
-    got = x.grad.double().numpy() if x.grad is not None else None
-    tally.report(f"{case}: grad", got is not None and np.allclose(got, reduce_np(ws.values(), "Sum"), rtol=1e-2,
-                                                                  atol=2e-2), f"got {got}")
+    for compression, half, (rtol, atol) in [(rm.Compression.fp16, torch.float16, (1e-2, 2e-2)),
+                                            (rm.Compression.bf16, torch.bfloat16, (2e-2, 5e-2))]:
+        case = f"allreduce Compression.{half} set={set_name}"
+        xs = {r: normal((6,), torch.float32, case, "x", r) for r in members}
+        x = leaf(xs[RANK])
+        result = rm.allreduce(x, op=rm.Sum, compression=compression, process_set=ps)
+        tally.report(f"{case}: result dtype", result.dtype == torch.float32, str(result.dtype))
+        expected = reduce_np([torch.from_numpy(a).to(half).double().numpy() for a in xs.values()], "Sum")
+        tally.report(f"{case}: result", np.allclose(result.detach().double().numpy(), expected, rtol=rtol, atol=atol))
+        upstream(result, case).backward()
+        ws = weights_of(members, {r: (6,) for r in members}, torch.float32, case)
+        got = x.grad.double().numpy() if x.grad is not None else None
+        tally.report(f"{case}: grad", got is not None and np.allclose(got, reduce_np(ws.values(), "Sum"), rtol=rtol,
+                                                                      atol=atol), f"got {got}")
 
     # grouped calls where the loss uses one result only, and one input does not require grad
     case = f"grouped_allreduce one result used set={set_name}"
@@ -467,11 +476,13 @@ def gradients():
                     lambda: grouped_reducescatter_case(set_name, ps, members, dtype, op_name, pre, post))
             run(f"grouped_allgather {dtype} {set_name}", lambda: grouped_allgather_case(set_name, ps, members, dtype))
             run(f"chain {dtype} {set_name}", lambda: chain_case(set_name, ps, members, dtype))
-        # float16 forward and backward of allreduce (loose tolerance), Horovod's Min/Max rule in float32
-        for dims in SHAPES:
-            for op_name, pre, post in [("Sum", 1.0, 1.0), ("Average", 1.0, 1.0), ("Average", 0.5, 2.0)]:
-                run(f"allreduce float16 {op_name} {dims} {set_name}",
-                    lambda: allreduce_case(set_name, ps, members, torch.float16, dims, op_name, pre, post))
+        # float16 and bfloat16 forward and backward of allreduce (loose tolerance), Horovod's Min/Max
+        # rule in float32
+        for half in (torch.float16, torch.bfloat16):
+            for dims in SHAPES:
+                for op_name, pre, post in [("Sum", 1.0, 1.0), ("Average", 1.0, 1.0), ("Average", 0.5, 2.0)]:
+                    run(f"allreduce {half} {op_name} {dims} {set_name}",
+                        lambda: allreduce_case(set_name, ps, members, half, dims, op_name, pre, post))
         run(f"allgather float16 {set_name}", lambda: allgather_case(set_name, ps, members, torch.float16, "2d"))
         run(f"extras {set_name}", lambda: extra_cases(set_name, ps, members))
         run(f"issue 29 {set_name}", lambda: issue_examples(set_name, ps, members))

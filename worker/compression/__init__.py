@@ -4,7 +4,8 @@ What lives here: the ``Compression`` namespace and the compressor interface
 (:mod:`.compressors`); Dettmers' 8-bit codecs (:mod:`.quantization`; the runtime's executor
 applies them on the wire); RedSync's residual gradient compression (:mod:`.rgc`, with the
 message each rank sends in :mod:`.rgc_messages` and the state kept per tensor in
-:mod:`.rgc_state`); top-k selection (:mod:`.selection`); and RedSync's cost model
+:mod:`.rgc_state`); top-k selection (:mod:`.selection`); PowerSGD's low-rank factors (:mod:`.powersgd`; the
+frontend's ``low_rank`` runs its allreduces); and RedSync's cost model
 (:mod:`.cost_model`; measuring it on the job is a collective, so that part lives in the
 frontend's ``calibration``).
 

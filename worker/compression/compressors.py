@@ -2,8 +2,8 @@
 
 Three kinds:
 
-* **Tensor compressors** (``Compression.none``, ``Compression.fp16``, and the ones users
-  write): ``compress(tensor) -> (tensor, ctx)`` gives the tensor to allreduce,
+* **Tensor compressors** (``Compression.none``, ``Compression.fp16``, ``Compression.bf16``,
+  and the ones users write): ``compress(tensor) -> (tensor, ctx)`` gives the tensor to allreduce,
   ``decompress(tensor, ctx) -> tensor`` restores the result. What travels must still be
   summable, as a float16 tensor is.
 * **8-bit codecs** (``Compression.int8``: Dettmers' 8-bit dynamic tree; ``Compression.linear8``):
@@ -18,6 +18,9 @@ Three kinds:
   ``Compression.topk(...)``): instances with per-tensor state that send each rank's
   selected entries through one sparse allgather (``worker/compression/rgc.py``); for
   ``DistributedOptimizer`` only.
+* **Low-rank** (``Compression.powersgd(...)``: Vogels et al.'s PowerSGD): an instance that
+  takes every gradient of a step at once and sends two fused buffers of rank-``r`` factors
+  (``worker/compression/powersgd.py``); for ``DistributedOptimizer`` only.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ringmaster.worker.compression import quantization as q
+from ringmaster.worker.compression.powersgd import PowerSGDCompressor
 from ringmaster.worker.compression.rgc import RGCCompressor, TopKCompressor
 
 
@@ -61,6 +65,23 @@ class FP16Compressor(Compressor):
     def compress(tensor):
         if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
             return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class BF16Compressor(Compressor):
+    """Sends float32 and float64 tensors as bfloat16 (half the bytes of float32, float32's range)
+    and restores their dtype after. bfloat16 travels at 2 bytes a value and is added in float32
+    (``worker/runtime/allreduce_paths.py``); float16 tensors are sent as they are (bfloat16 would
+    drop 3 bits of their mantissa), as are bfloat16 and integer ones."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype in (torch.float32, torch.float64):
+            return tensor.to(torch.bfloat16), tensor.dtype
         return tensor, None
 
     @staticmethod
@@ -121,15 +142,17 @@ def wire_format(compression, tensor) -> str:
 class Compression:
     """The built-in compressors.
 
-    ``none``, ``fp16``, ``int8`` and ``linear8`` are stateless classes;
-    ``rgc(...)`` and ``topk(...)`` build a compressor with per-tensor state, one per
-    ``DistributedOptimizer``.
+    ``none``, ``fp16``, ``bf16``, ``int8`` and ``linear8`` are stateless classes;
+    ``rgc(...)``, ``topk(...)`` and ``powersgd(...)`` build a compressor with per-tensor state,
+    one per ``DistributedOptimizer``.
     """
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    bf16 = BF16Compressor
     int8 = Int8Compressor
     linear8 = Linear8Compressor
 
     rgc = RGCCompressor
     topk = TopKCompressor
+    powersgd = PowerSGDCompressor

@@ -227,9 +227,9 @@ def _tensor_compressor(compression, what: str):
     """``(compressor, wire format)`` of a ``compression=`` argument; refuses stateful sparsifiers."""
     if compression is None or compression is Compression.none:
         return Compression.none, ""
-    if callable(getattr(compression, "prepare", None)):
+    if callable(getattr(compression, "prepare", None)) or callable(getattr(compression, "begin_step", None)):
         raise TypeError(f"{what}: {type(compression).__name__} keeps residuals per gradient and works only "
-                        f"inside DistributedOptimizer(compression=...); use Compression.none, fp16, int8 "
+                        f"inside DistributedOptimizer(compression=...); use Compression.none, fp16, bf16, int8 "
                         f"or linear8 here")
     for method in ("compress", "decompress"):
         if not callable(getattr(compression, method, None)):

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ringmaster.worker.compression.compressors import Compression, wire_format
-from ringmaster.worker.frontend import collectives
+from ringmaster.worker.frontend import collectives, low_rank
 from ringmaster.worker.frontend.bucket_updates import can_update_per_bucket, step_hooks, step_parameters
 from ringmaster.worker.frontend.adasum_optimizer import _DistributedAdasumOptimizer
 from ringmaster.worker.frontend.calibration import calibrated
@@ -56,6 +56,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         # rgc/topk: per-tensor state, dense allreduce or sparse allgather decided per tensor.
         self._sparsifier = compression if _is_sparsifier(compression) else None
+        # powersgd: every gradient of the step at once, in synchronize() (low_rank.py).
+        self._low_rank = compression if low_rank.is_low_rank(compression) else None
         self._op = op
         self._predivide = float(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
@@ -118,6 +120,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"raise backward_passes_per_step to accumulate gradients locally, or call step()")
         self._delay[p] -= 1
         if self._delay[p] > 0:
+            return
+        if self._low_rank is not None:
+            self._handles[p] = (None, None, None)
             return
         if self._plan is not None and not self._plan_step_open:
             self._forget_plan_of_an_ended_runtime()
@@ -307,6 +312,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronize_plan()
             self._synchronized = True
             return
+        if self._low_rank is not None:
+            self._synchronize_low_rank()
+            self._synchronized = True
+            return
         for p in self._requires_update:
             if p not in self._handles:
                 self._handles[p] = (None, None, None)
@@ -337,6 +346,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._plan_possible and not self._plan_decided:
             self._decide_plan()
         self._synchronized = True
+
+    def _synchronize_low_rank(self) -> None:
+        """Compression.powersgd: every gradient through the compressor's two allreduces (low_rank.py)."""
+        gradients = {}
+        try:
+            for p in self._requires_update:
+                if p.grad is None:  # as in _allreduce_gradient_async: every rank sends the same tensors
+                    p.grad = torch.zeros_like(p)
+                if p.grad.is_sparse or not p.grad.is_contiguous():
+                    p.grad = p.grad.to_dense().contiguous()
+                gradients[self._parameter_names[p]] = p.grad
+            low_rank.reduce_step(self._low_rank, gradients, self._process_set)
+        finally:
+            self._handles.clear()
+            for p in self._requires_update:
+                self._delay[p] = self.backward_passes_per_step
 
     def _restore(self, p: torch.Tensor, output, ctx):
         """The reduced gradient of ``p`` from what its collective returned."""
@@ -482,9 +507,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             its class sharing its parameter groups and state: use it instead of the original.
         named_parameters: ``model.named_parameters()``; names the allreduces (recommended).
             Every parameter of the optimizer must be named, each name once.
-        compression: how gradients travel: ``Compression.none``, ``fp16``, ``int8`` or
-            ``linear8`` (8-bit codes on the wire), or a sparsifier built for this optimizer,
-            ``Compression.rgc(...)`` (residual gradient compression) or ``topk(...)``.
+        compression: how gradients travel: ``Compression.none``, ``fp16``, ``bf16``, ``int8`` or
+            ``linear8`` (8-bit codes on the wire), a sparsifier built for this optimizer,
+            ``Compression.rgc(...)`` (residual gradient compression) or ``topk(...)``, or
+            ``Compression.powersgd(...)`` (low-rank, every gradient at ``step()``).
         backward_passes_per_step: backward passes accumulated locally before one allreduce.
         op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank steps on its own
             gradients and the parameters' changes are combined with Adasum, as in Horovod
@@ -527,7 +553,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError("gradient_predivide_factor applies to op=Average only")
     if not gradient_predivide_factor > 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
-    if _is_sparsifier(compression):
+    if low_rank.is_low_rank(compression):
+        low_rank.check_use(compression, op, gradient_predivide_factor, groups)
+    elif _is_sparsifier(compression):
         _check_sparsifier_use(compression, optimizer, op, gradient_predivide_factor, groups)
     else:
         for method in ("compress", "decompress"):

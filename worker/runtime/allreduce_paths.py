@@ -1,4 +1,4 @@
-"""The executor's allreduce paths: fused, alone, out of place, and the 8-bit ring.
+"""The executor's allreduce paths: fused, alone, out of place, bfloat16, and the 8-bit ring.
 
 A mixin of :class:`~ringmaster.worker.runtime.executor.Executor` (which keeps the loop, the
 dispatch, the data movement, control and process-set ops): every method here runs on the
@@ -18,6 +18,7 @@ import torch
 
 from ringmaster import ops
 from ringmaster.ops.dtypes import scale_in_place
+from ringmaster.ops.ring import chunk_bounds
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
@@ -46,6 +47,10 @@ class AllreducePaths:
             self._allreduce_adasum(response, group, device)
             return
         dtype = SUPPORTED_DTYPES[response.dtype]
+        if (dtype == torch.bfloat16 and response.reduce_op in (pb.SUM, pb.AVERAGE) and group.size > 1
+                and device.kind == "cpu"):
+            self._allreduce_bf16(response, group, device)
+            return
         entries = [self._take(response, name, device) for name in response.names]
         shapes = [tuple(shape.dims) for shape in response.shapes]
         wire_dtype = reduction_dtype(dtype)
@@ -111,6 +116,50 @@ class AllreducePaths:
             device.transport(group).quantized_allreduce(device.array(buffer), _ring_codec(response.compression),
                                                         scale=scale)
         for entry, result in _copy_out(entries, buffer, sizes, shapes, dtype):
+            self._complete(entry, result, device)
+
+    def _allreduce_bf16(self, response: pb.Response, group: SetComm, device) -> None:
+        """Sum or average bfloat16 tensors moving 2 bytes a value, added in float32.
+
+        NumPy and MPI have no bfloat16, and a ring would round each partial sum to bfloat16
+        on its way (``N - 1`` roundings). Instead the fused buffer is split into the ring's
+        ``N`` chunks (``ops.ring.chunk_bounds``); an all-to-all brings rank ``r`` every
+        rank's chunk ``r`` as it is (bfloat16: exact), which it adds in float32 in rank
+        order, scales (prescale, postscale, average) and rounds to bfloat16 once; an
+        allgather then gives every rank every chunk. Each rank sends ``2 (N-1)/N`` of the
+        buffer at 2 bytes a value, half of the float32 ring's bytes, and the result is
+        the float32 sum rounded once, as before, bit-identical on every rank. Min, Max and
+        Product still go through float32 (``reduction_dtype``), and so do CUDA tensors: the
+        path is written against the transport's byte collectives, but has not run on a GPU.
+        """
+        entries = [self._take(response, name, device) for name in response.names]
+        shapes = [tuple(shape.dims) for shape in response.shapes]
+        sizes = [math.prod(shape) for shape in shapes]
+        total = sum(sizes)
+        buffer = self._fusion_buffer(torch.bfloat16, total, device)
+        with timeline.span(response.names, "MEMCPY_IN_FUSION_BUFFER"):
+            for entry, part in zip(entries, buffer.split(sizes)):
+                if entry is None:  # this rank joined: it adds zeros
+                    part.zero_()
+                else:
+                    part.copy_(entry.tensor.reshape(-1))
+        bounds = chunk_bounds(total, group.size)
+        counts = [2 * (end - start) for start, end in zip(bounds, bounds[1:])]
+        start, end = bounds[group.rank], bounds[group.rank + 1]
+        transport = device.transport(group)
+        with timeline.span(response.names, "BF16_ALLREDUCE"):
+            parts = device.empty((group.size, end - start), torch.bfloat16)
+            transport.alltoallv(device.bytes_of(buffer), device.bytes_of(parts), counts,
+                                [counts[group.rank]] * group.size)
+            chunk = parts[0].float()
+            for part in parts[1:]:
+                chunk.add_(part)
+            _scale_(chunk, response.prescale_factor * result_scale(response, group.size))
+            chunk = chunk.to(torch.bfloat16)
+            transport.allgatherv(device.bytes_of(chunk), device.bytes_of(buffer), counts)
+        with timeline.span(response.names, "MEMCPY_OUT_FUSION_BUFFER"):
+            done = _copy_out(entries, buffer, sizes, shapes, torch.bfloat16)
+        for entry, result in done:
             self._complete(entry, result, device)
 
     def _allreduce_adasum(self, response: pb.Response, group: SetComm, device) -> None:

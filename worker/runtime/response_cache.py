@@ -72,7 +72,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ringmaster.ops import waiting
+from ringmaster.ops import traffic, waiting
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.cache_protocol import WITHDRAW_AFTER_S, CacheProtocol, Hit, Phase, Proposal, Slot, Step
@@ -110,6 +110,8 @@ def _start_cycle(comm, vector: np.ndarray, result: np.ndarray, outgoing: Optiona
     reduced = None
     if outgoing is not None:
         reduced = np.empty_like(outgoing)
+        size = comm.Get_size()  # counted as ops/traffic.py counts MPI's own allreduces
+        traffic.record("cache_payload", 2 * (size - 1) * outgoing.nbytes // size)
         requests.append(comm.Iallreduce(outgoing, reduced, op=_PAYLOAD_OPS[reduce_op]))
     return requests, reduced
 
