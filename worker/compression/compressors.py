@@ -112,6 +112,20 @@ class Linear8Compressor(WireCompressor):
     kind = "linear8"
 
 
+class BF16Compressor(Compressor):
+    """Sends floating-point tensors as bfloat16 (half the bytes, float32's range) and restores their dtype after."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating_point and tensor.dtype != torch.bfloat16:
+            return tensor.to(torch.bfloat16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
 def wire_format(compression, tensor) -> str:
     """The wire format ``compression`` asks for ``tensor`` ("" for none)."""
     format_ = getattr(compression, "wire_format", "")
@@ -128,6 +142,7 @@ class Compression:
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    bf16 = BF16Compressor
     int8 = Int8Compressor
     linear8 = Linear8Compressor
 
