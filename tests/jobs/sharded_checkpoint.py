@@ -50,7 +50,8 @@ def states_equal(case, full, reference):
         ok = ok and sorted(got) == sorted(entries)
         for key, value in entries.items():
             if key in got:
-                worst = max(worst, (torch.as_tensor(got[key]).float() - torch.as_tensor(value).float()).abs().max().item())
+                gap = torch.as_tensor(got[key]).float() - torch.as_tensor(value).float()
+                worst = max(worst, gap.abs().max().item())
     groups_ok = full["param_groups"] == reference["param_groups"]
     TALLY.report(case, ok and worst <= 1e-6 and groups_ok, f"keys equal {ok}, groups equal {groups_ok}, "
                  f"max difference {worst:.3g}")
@@ -93,7 +94,8 @@ else:
     full = zero.consolidate_state_dict(to=SIZE - 1)
     if RANK == SIZE - 1:
         states_equal("consolidated at 2 ranks equals the unsharded state", full, reference.state_dict())
-    TALLY.report("steps counted on from the checkpoint", all(int(entries["step"]) == 10 for entries in zero.optim.state.values()))
+    steps = [int(entries["step"]) for entries in zero.optim.state.values()]
+    TALLY.report("steps counted on from the checkpoint", steps and all(step == 10 for step in steps), str(steps))
     print(f"CASES load {TALLY.cases - before}", flush=True)
 
 TALLY.done()

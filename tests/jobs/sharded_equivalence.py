@@ -35,7 +35,7 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(3)
-        self.shift = nn.Parameter(torch.tensor(0.1))  # 0-dim, the module's own parameter comes first, so its bucket is the last, of one element
+        self.shift = nn.Parameter(torch.tensor(0.1))  # 0-dim; own parameters come first: the last bucket (1 element)
         self.fc1 = nn.Linear(13, 7)
         self.fc2 = nn.Linear(7, 3)
 
