@@ -126,6 +126,17 @@ if "options" in SECTIONS:
         TALLY.report(f"compression {compression.__name__}", diff <= 2e-3, f"{diff:.3g}")
     diff, _, _ = pair(adam, steps=10, overlap=True)
     TALLY.report("overlap_forward", diff <= 1e-6, f"{diff:.3g}")
+    # The reduce-scatters start from the hooks, during backward: every bucket's is in flight
+    # before step(); with backward_passes_per_step=2, none after the first pass.
+    net = Net()
+    opt = rm.ZeroOptimizer(torch.optim.Adam(net.parameters()), bucket_bytes=BUCKET_BYTES, backward_passes_per_step=2)
+    x, y = batches(1)[0]
+    nn.functional.mse_loss(net(x), y).backward()
+    TALLY.report("bpps=2: nothing reduced after the first pass", not opt._reducing, str(sorted(opt._reducing)))
+    nn.functional.mse_loss(net(x), y).backward()
+    TALLY.report("every bucket's reduce-scatter started during backward", sorted(opt._reducing) == [
+        b.number for b in opt.buckets], str(sorted(opt._reducing)))
+    opt.step()
     members = rm.ProcessSet([0, SIZE - 1])
     rm.add_process_set(members)
     diff, opt, _ = pair(adam, steps=10, process_set=members)
