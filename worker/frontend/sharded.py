@@ -11,8 +11,9 @@ data parallelism. Here each rank keeps the state of its own shard only
    its own block only.
 2. **step**: the wrapped optimizer steps this rank's shard (views of the parameters, so the
    update lands in the parameters); the other ranks' parts are not touched.
-3. **allgather**: each rank's updated block is allgathered (one grouped allgather of every
-   bucket) and copied into the parameters. By default ``step()`` waits for it. With
+3. **allgather**: each bucket's updated block is allgathered as soon as it is stepped (the
+   shard is stepped bucket by bucket, in forward order, so each allgather runs while the
+   next bucket is stepped) and copied into the parameters. By default ``step()`` waits for it. With
    ``overlap_forward=model``, ``step()`` returns at once and a forward pre-hook on each
    submodule waits for the buckets of that submodule's parameters only, so the gathering
    of the last layers overlaps the forward of the first. ``wait_parameters()`` waits for
@@ -45,7 +46,7 @@ import torch
 from ringmaster.worker.compression.compressors import Compression, wire_format
 from ringmaster.worker.frontend import collectives
 from ringmaster.worker.frontend import sharded_checkpoint
-from ringmaster.worker.frontend.bucket_updates import PER_PARAMETER_OPTIMIZERS
+from ringmaster.worker.frontend.bucket_updates import PER_PARAMETER_OPTIMIZERS, step_hooks, step_parameters
 from ringmaster.worker.frontend.sharded_layout import BUCKET_BYTES, plan_buckets, shard_views
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set
@@ -118,7 +119,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._delay: Dict[int, int] = {id(p): backward_passes_per_step for p in params}
         self._ready: Dict[int, int] = {}                   # bucket -> gradients in
         self._reducing: Dict[int, tuple] = {}              # bucket -> (handle, compression context)
-        self._gathering = None                             # (handle, buckets still to copy out)
+        self._gathering: Dict[int, int] = {}              # bucket -> its allgather's handle
         self._synchronized = False
         self._should_synchronize = True
         self._forward_hooks = []
@@ -245,47 +246,48 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         for mine, group in zip(self.optim.param_groups, self.param_groups):  # LR schedules, user changes
             mine.update({key: value for key, value in group.items() if key != "params"})
-        self.optim.step()
+        if self._sharded and not step_hooks(self.optim):
+            # Bucket by bucket, in the order forward needs them (the first layers' bucket first):
+            # each bucket's allgather runs while the next bucket is stepped (exact for these
+            # optimizers, bucket_updates.py); step hooks would run once per bucket, so not with them.
+            for bucket in reversed(self.buckets):
+                if bucket.pieces:
+                    step_parameters(self.optim.step, self.optim.param_groups,
+                                    [self._shards[piece.index] for piece in bucket.pieces])
+                self._gather(bucket)
+        else:
+            self.optim.step()
+            for bucket in reversed(self.buckets):
+                self._gather(bucket)
         for shard in self._shards:
             shard.grad = None
-        self._gather()
         if not self._forward_hooks:
             self.wait_parameters()
         return loss
 
-    def _gather(self) -> None:
-        """Start the allgather of every bucket's updated block."""
+    def _gather(self, bucket) -> None:
+        """Start the allgather of the bucket's updated block."""
         if not self._sharded:
             return
-        blocks = []
-        for bucket in self.buckets:
-            if bucket.pieces:
-                blocks.append(torch.cat([self._shards[piece.index] for piece in bucket.pieces]))
-            else:
-                blocks.append(torch.empty(0, dtype=bucket.dtype, device=bucket.params[0].device))
-        handle = collectives.grouped_allgather_async(blocks, name=f"{self._name}.params",
-                                                     process_set=self._process_set)
-        self._gathering = (handle, None)
+        if bucket.pieces:
+            block = torch.cat([self._shards[piece.index] for piece in bucket.pieces])
+        else:
+            block = torch.empty(0, dtype=bucket.dtype, device=bucket.params[0].device)
+        self._gathering[bucket.number] = collectives.allgather_async(
+            block, name=f"{self._name}.params.{bucket.number}", process_set=self._process_set)
 
     def wait_parameters(self, buckets=None) -> None:
         """Wait for the parameters' allgather (of ``buckets`` only, if given) and copy them in."""
-        if self._gathering is None:
+        if not self._gathering:
             return
-        handle, gathered = self._gathering
-        if gathered is None:
-            gathered = collectives.synchronize(handle)
-            self._gathering = (handle, gathered)
-        todo = self.buckets if buckets is None else buckets
         with torch.no_grad():
-            for bucket in todo:
-                flat = gathered[bucket.number]
-                if flat is None:
+            for bucket in self.buckets if buckets is None else buckets:
+                handle = self._gathering.pop(bucket.number, None)
+                if handle is None:
                     continue
+                flat = collectives.synchronize(handle)
                 for p, offset in zip(bucket.params, bucket.offsets):
                     p.view(-1).copy_(flat[offset:offset + p.numel()])
-                gathered[bucket.number] = None
-        if all(flat is None for flat in gathered):
-            self._gathering = None
 
     def _hook_forward(self, module: torch.nn.Module) -> None:
         if not isinstance(module, torch.nn.Module):
