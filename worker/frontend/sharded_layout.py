@@ -26,9 +26,10 @@ import torch
 
 from ringmaster.worker.runtime.executor import reducescatter_rows
 
-#: Default bucket size. 16 MiB: a 50M-parameter model (200 MB in float32) makes 13 buckets,
-#: enough for the first buckets' reduce-scatters to overlap the rest of the backward pass,
-#: few enough that each negotiation (about 1 ms on the CPU) is small against its transfer.
+#: Default bucket size. 16 MiB: a 50M-parameter model (200 MB in float32) makes a dozen or
+#: more buckets, enough for the first buckets' reduce-scatters to overlap the rest of the
+#: backward pass, few enough that each negotiation (about 1 ms on the CPU) is small against
+#: its transfer. Chosen, not tuned: bench/sharded.py measured it alone (docs/benchmarks.md).
 BUCKET_BYTES = 16 * 1024 * 1024
 
 
