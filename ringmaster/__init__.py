@@ -37,7 +37,7 @@ __all__ = [
     "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "barrier", "join", "poll", "synchronize", "sparse_allreduce_async",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
-    "DistributedOptimizer", "Compression", "Compressor",
+    "DistributedOptimizer", "ZeroOptimizer", "Compression", "Compressor",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
     "ddl_built", "ccl_built", "cuda_built", "rocm_built",

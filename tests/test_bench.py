@@ -146,3 +146,13 @@ def test_mpi_nonblocking_benchmark_prints_both_ways():
                          timeout=80, env=job_environment())
     assert result.returncode == 0, result.output[-3000:]
     assert "blocking" in result.stdout and "1024 KiB" in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_sharded_benchmark_prints_state_and_step_times():
+    result = run_command(["mpirun", *MPIRUN_ARGS, "-np", "2", sys.executable, str(BENCH / "sharded.py"),
+                          "--width", "64", "--rounds", "1", "--steps", "1", "--warmup", "1"],
+                         timeout=110, env=job_environment())
+    assert result.returncode == 0, result.output[-3000:]
+    for mode in ("unsharded", "sharded", "sharded-overlap", "ddp-zero"):
+        assert re.search(rf"^(\[0\]: )?{mode} +\d+\.\d +\d\.\d{{3}} ", result.stdout, re.MULTILINE), result.stdout

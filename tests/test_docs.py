@@ -21,7 +21,7 @@ CONFIG_SOURCE = ROOT / "common" / "config.py"
 #: A documented callable: `rm.name(...)`, `rm.parallel.name(...)`, `ProcessSet.name(...)`,
 #: `optimizer.name(...)`, `HybridParallel.name(...)`, ...
 SIGNATURE = re.compile(r"^(rm\.parallel|rm\.elastic|rm|ProcessSet|optimizer|Compressor|HybridParallel|State|"
-                       r"ElasticSampler)\.(\w+)\((.*)\)$")
+                       r"ElasticSampler|ZeroOptimizer)\.(\w+)\((.*)\)$")
 
 
 def _public_names() -> list:
@@ -118,6 +118,7 @@ def _resolve(prefix: str, name: str, rm):
         "rm.elastic": rm.elastic,
         "State": rm.elastic.State,
         "ElasticSampler": rm.elastic.ElasticSampler,
+        "ZeroOptimizer": rm.ZeroOptimizer,
         # the methods DistributedOptimizer adds to the optimizer it returns
         "optimizer": importlib.import_module("ringmaster.worker.frontend.optimizer")._DistributedOptimizer,
     }
@@ -131,7 +132,7 @@ def _signature_problems(span: str, rm, namespace: dict) -> list:
     except AttributeError:
         return [f"`{span}`: {prefix}.{name} does not exist"]
     actual = list(inspect.signature(target).parameters.values())
-    methods = ("ProcessSet", "optimizer", "HybridParallel", "State", "ElasticSampler")
+    methods = ("ProcessSet", "optimizer", "HybridParallel", "State", "ElasticSampler", "ZeroOptimizer")
     if prefix in methods and actual and actual[0].name == "self":
         actual = actual[1:]
     try:

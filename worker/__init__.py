@@ -32,6 +32,7 @@ from ringmaster.worker.frontend.functions import (allgather_object, broadcast_ob
                                                   broadcast_parameters)
 from ringmaster.worker.frontend import elastic, parallel
 from ringmaster.worker.frontend.optimizer import DistributedOptimizer
+from ringmaster.worker.frontend.sharded import ZeroOptimizer
 from ringmaster.worker.frontend.sparse import sparse_allreduce_async
 from ringmaster.worker.frontend.sync_batch_norm import SyncBatchNorm
 from ringmaster.worker.frontend.topology import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,

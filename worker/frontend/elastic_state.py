@@ -31,6 +31,7 @@ import torch
 from ringmaster.common import elastic as protocol
 from ringmaster.worker.frontend import functions, topology
 from ringmaster.worker.frontend.elastic_sampler import ElasticSampler
+from ringmaster.worker.frontend.sharded import refuse_elastic
 from ringmaster.worker.runtime.errors import RingmasterError
 
 log = logging.getLogger("ringmaster.elastic")
@@ -224,6 +225,7 @@ class TorchState(ObjectState):
 
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                  bcast_object: Optional[Callable] = None, get_rank: Optional[Callable[[], int]] = None, **kwargs):
+        refuse_elastic(optimizer)  # sharded state cannot be restored at other ranks
         tracked = {"model": model, "optimizer": optimizer}
         samplers = {name: value for name, value in kwargs.items() if isinstance(value, ElasticSampler)}
         tracked.update(samplers)
@@ -241,6 +243,8 @@ class TorchState(ObjectState):
 
     def __setattr__(self, name: str, value) -> None:
         tracked = self.__dict__.get("_tracked")
+        if name == "optimizer":
+            refuse_elastic(value)
         if tracked is not None and name in tracked:
             tracked[name] = value
         object.__setattr__(self, name, value)

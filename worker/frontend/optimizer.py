@@ -499,7 +499,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=collectives.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set, update_per_bucket: Optional[bool] = None):
+                         process_set: ProcessSet = global_process_set, update_per_bucket: Optional[bool] = None,
+                         shard_optimizer_state: bool = False):
     """Wrap ``optimizer`` so that ``step()`` uses gradients reduced over all ranks.
 
     Args:
@@ -534,7 +535,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             Not used after an explicit ``synchronize()`` (gradient clipping), nor with a closure,
             nor in a step that finds step hooks registered, the optimizer's or torch's global
             ones (they run once, around one step after all buckets).
+        shard_optimizer_state: return a ``ZeroOptimizer`` (``ringmaster.worker.frontend.sharded``):
+            each rank keeps the optimizer state of its shard of the parameters only (ZeRO stage 1).
     """
+    if shard_optimizer_state:
+        from ringmaster.worker.frontend.sharded import sharded_optimizer
+        return sharded_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                                 gradient_predivide_factor, num_groups or groups, sparse_as_dense, process_set,
+                                 update_per_bucket)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, "_ringmaster_base"):

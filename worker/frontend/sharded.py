@@ -1,0 +1,468 @@
+"""``ZeroOptimizer``: optimizer state sharded over the ranks (ZeRO stage 1).
+
+With Adam, the optimizer's state is twice the model's parameters, on every rank of plain
+data parallelism. Here each rank keeps the state of its own shard only
+(``sharded_layout.py``: buckets of parameters, each split evenly among the ranks):
+
+1. **backward**: a hook on each parameter counts its gradient in; once every gradient of a
+   bucket is in, the bucket is packed into one flat vector and its ``reducescatter`` starts
+   at once, while backward still runs (op ``Average`` or ``Sum``, ``compression`` on the
+   wire: ``Compression.fp16``/``bf16`` halve it). Each rank receives the reduced gradient of
+   its own block only.
+2. **step**: the wrapped optimizer steps this rank's shard (views of the parameters, so the
+   update lands in the parameters); the other ranks' parts are not touched.
+3. **allgather**: each bucket's updated block is allgathered as soon as it is stepped (the
+   shard is stepped bucket by bucket, in forward order, so each allgather runs while the
+   next bucket is stepped) and copied into the parameters. By default ``step()`` waits for it. With
+   ``overlap_forward=model``, ``step()`` returns at once and a forward pre-hook on each
+   submodule waits for the buckets of that submodule's parameters only, so the gathering
+   of the last layers overlaps the forward of the first. ``wait_parameters()`` waits for
+   all of it (``state_dict``, ``zero_grad`` and the next gradients do so themselves).
+
+Any elementwise torch optimizer works: its update of an element reads that element, its
+gradient and its own state, so stepping ranges of parameters gives the same numbers as
+stepping whole parameters (``bucket_updates.PER_PARAMETER_OPTIMIZERS``; others are refused).
+Gradient clipping over the global norm: ``clip_grad_norm_`` (one allreduce of a scalar).
+Checkpoints: ``consolidate_state_dict(to=)`` and ``load_state_dict`` of a full state
+(``sharded_checkpoint.py``).
+
+It is a class of its own, not a mode of ``DistributedOptimizer`` (which returns it for
+``shard_optimizer_state=True``): that one *is* the user's optimizer (a subclass of its class
+sharing its state), stepping whole parameters; this one owns a second optimizer over shard
+views, and its ``state_dict`` is not the wrapped optimizer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import weakref
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import torch
+
+from ringmaster.worker.compression.compressors import Compression, wire_format
+from ringmaster.worker.frontend import collectives
+from ringmaster.worker.frontend import sharded_checkpoint
+from ringmaster.worker.frontend.bucket_updates import PER_PARAMETER_OPTIMIZERS, step_hooks, step_parameters
+from ringmaster.worker.frontend.sharded_layout import BUCKET_BYTES, plan_buckets, shard_views
+from ringmaster.worker.runtime.current import runtime
+from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set
+
+_INSTANCES = itertools.count()  # names the collectives: every rank builds its optimizers in the same order
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Data-parallel training with the optimizer's state sharded over the ranks (ZeRO stage 1).
+
+    Args:
+        optimizer: a torch optimizer over the model's parameters, elementwise (SGD, Adam,
+            AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta), with no state yet, or
+            with state that is then sharded. Its hyperparameters (``param_groups``) stay
+            shared with this object: LR schedulers built on this object work.
+        named_parameters: ``model.named_parameters()``, for error messages (optional).
+        compression: ``Compression.none``, ``fp16`` or ``bf16`` for the gradients'
+            reduce-scatter (parameters are always gathered exactly).
+        backward_passes_per_step: backward passes accumulated locally before one reduce-scatter.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with ``Average``, divide before the sum by this factor
+            and after it by ``size / factor``.
+        process_set: shard over the ranks of this set; ranks outside it step alone.
+        bucket_bytes: the largest bucket (``sharded_layout.BUCKET_BYTES``).
+        overlap_forward: a ``torch.nn.Module``: ``step()`` returns before the parameters are
+            gathered, and each submodule's forward waits for its own parameters only.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, compression=Compression.none,
+                 backward_passes_per_step: int = 1, op=collectives.Average, gradient_predivide_factor: float = 1.0,
+                 process_set: ProcessSet = global_process_set, bucket_bytes: int = BUCKET_BYTES,
+                 overlap_forward: Optional[torch.nn.Module] = None):
+        _check_arguments(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                         process_set, bucket_bytes)
+        state = runtime()  # must be initialized
+        names = _names(optimizer, named_parameters)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in params:
+            if not p.is_contiguous():
+                raise ValueError(f"ZeroOptimizer: parameter '{names.get(p, tuple(p.shape))}' (rank {state.rank}) "
+                                 f"is not contiguous; shards are ranges of p.view(-1): make the parameter "
+                                 f"contiguous (p.data = p.data.contiguous()) before building the optimizer")
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups   # shared: LR schedulers see the user's groups
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+        self._process_set = process_set
+        self._sharded = process_set.included() and process_set.size() > 1
+        self._size = process_set.size() if self._sharded else 1
+        self._rank = process_set.rank() if self._sharded else 0
+        self._compression = compression
+        self._op = op
+        self._predivide = float(gradient_predivide_factor)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._params = params
+        self._names = names
+        self._name = f"ZeroOptimizer.{next(_INSTANCES)}"
+        trained = [i for i, p in enumerate(params) if p.requires_grad][::-1]  # backward: last layers first
+        self.buckets = plan_buckets([params[i] for i in trained], trained, self._size, self._rank, bucket_bytes)
+        self._bucket_of = {id(params[i]): b for b in self.buckets for i in b.indices}
+        self._shards = shard_views(params, self.buckets)
+        self._own = {piece.index for b in self.buckets for piece in b.pieces}
+        # The optimizer that steps the shards: the user's class, its hyperparameters, fresh state.
+        self.optim = _over_shards(optimizer, self._shards)
+        self.state = self.optim.state
+        self._delay: Dict[int, int] = {id(p): backward_passes_per_step for p in params}
+        self._ready: Dict[int, int] = {}                   # bucket -> gradients in
+        self._reducing: Dict[int, tuple] = {}              # bucket -> (handle, compression context)
+        self._gathering: Dict[int, int] = {}              # bucket -> its allgather's handle
+        self._synchronized = False
+        self._should_synchronize = True
+        self._forward_hooks = []
+        self._hooks = []
+        hook = _weak_hook(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        if overlap_forward is not None:
+            self._hook_forward(overlap_forward)
+        if optimizer.state:  # state built before wrapping: shard it
+            self.load_state_dict(optimizer.state_dict())
+
+    # ------------------------------------------------------------ gradients
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        """Called by autograd once ``p.grad`` holds this backward pass's gradient."""
+        key = id(p)
+        if self._delay[key] <= 0:
+            raise AssertionError(
+                f"ZeroOptimizer: the gradient of '{self._names.get(p, tuple(p.shape))}' was computed more than "
+                f"backward_passes_per_step={self.backward_passes_per_step} times before step(); raise "
+                f"backward_passes_per_step to accumulate gradients locally, or call step()")
+        self._delay[key] -= 1
+        if self._delay[key] > 0:
+            return
+        bucket = self._bucket_of[key]
+        self._ready[bucket.number] = self._ready.get(bucket.number, 0) + 1
+        if self._ready[bucket.number] == len(bucket.params):
+            self._reduce_scatter(bucket)
+
+    def _scaling(self):
+        if self._op == collectives.Average:
+            return 1.0 / self._predivide, self._predivide
+        return 1.0, 1.0
+
+    def _reduce_scatter(self, bucket) -> None:
+        """Pack the bucket's gradients (zeros for a parameter without one) and start its reduce-scatter."""
+        self.wait_parameters()
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.params[0].device)
+        for p, offset in zip(bucket.params, bucket.offsets):
+            target = flat[offset:offset + p.numel()]
+            grad = p.grad
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+        if not self._sharded:
+            self._reducing[bucket.number] = (None, flat)
+            return
+        sent, ctx = self._compression.compress(flat)
+        prescale, postscale = self._scaling()
+        handle = collectives.reducescatter_async(sent, name=f"{self._name}.grad.{bucket.number}", op=self._op,
+                                                 prescale_factor=prescale, postscale_factor=postscale,
+                                                 process_set=self._process_set)
+        self._reducing[bucket.number] = (handle, ctx)
+
+    def synchronize(self) -> None:
+        """Finish every bucket's reduce-scatter (starting those whose gradients did not all come)
+        and hand the reduced shard gradients to the wrapped optimizer."""
+        for bucket in self.buckets:
+            if bucket.number not in self._reducing:
+                self._reduce_scatter(bucket)
+        for bucket in self.buckets:
+            handle, ctx = self._reducing.pop(bucket.number)
+            result = ctx if handle is None else self._compression.decompress(collectives.synchronize(handle), ctx)
+            if result.dtype != bucket.dtype:
+                result = result.to(bucket.dtype)
+            for piece in bucket.pieces:
+                self._shards[piece.index].grad = result[piece.at:piece.at + piece.numel]
+        self._ready.clear()
+        for key in self._delay:
+            self._delay[key] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this block does not synchronize again (after ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Clip the reduced gradients to a global norm over every rank's shard; returns that norm.
+
+        Equals ``torch.nn.utils.clip_grad_norm_`` on the full reduced gradients of an unsharded
+        optimizer. Synchronizes first if needed (the following ``step()`` does not again).
+        Collective: every rank of the process set calls it.
+        """
+        if not self._synchronized:
+            self.synchronize()
+        norm_type = float(norm_type)
+        grads = [s.grad for s in self._shards if s.grad is not None and s.numel()]
+        if norm_type == math.inf:
+            local = max((g.abs().max().float() for g in grads), default=torch.tensor(0.0))
+            total = self._allreduce_scalar(local.reshape(1), collectives.Max, "max")
+        else:
+            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.tensor(0.0))
+            total = self._allreduce_scalar(local.reshape(1), collectives.Sum, "sum").pow(1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"ZeroOptimizer.clip_grad_norm_: the total norm of order {norm_type} of the "
+                               f"gradients is non-finite ({total.item()}); pass error_if_nonfinite=False to clip "
+                               f"anyway")
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.dtype))
+        return total
+
+    def _allreduce_scalar(self, value: torch.Tensor, op, what: str) -> torch.Tensor:
+        if not self._sharded:
+            return value[0]
+        return collectives.synchronize(collectives.allreduce_async(
+            value, name=f"{self._name}.norm.{what}", op=op, process_set=self._process_set))[0]
+
+    # ----------------------------------------------------------------- step
+    def step(self, closure=None):
+        """Reduce the gradients (unless already synchronized), step this rank's shard, gather the parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._synchronized:  # after synchronize() (clipping) the gradients are reduced already
+            self.synchronize()
+        self._synchronized = False
+        for mine, group in zip(self.optim.param_groups, self.param_groups):  # LR schedules, user changes
+            mine.update({key: value for key, value in group.items() if key != "params"})
+        if self._sharded and not step_hooks(self.optim):
+            # Bucket by bucket, in the order forward needs them (the first layers' bucket first):
+            # each bucket's allgather runs while the next bucket is stepped (exact for these
+            # optimizers, bucket_updates.py); step hooks would run once per bucket, so not with them.
+            for bucket in reversed(self.buckets):
+                if bucket.pieces:
+                    step_parameters(self.optim.step, self.optim.param_groups,
+                                    [self._shards[piece.index] for piece in bucket.pieces])
+                self._gather(bucket)
+        else:
+            self.optim.step()
+            for bucket in reversed(self.buckets):
+                self._gather(bucket)
+        for shard in self._shards:
+            shard.grad = None
+        if not self._forward_hooks:
+            self.wait_parameters()
+        return loss
+
+    def _gather(self, bucket) -> None:
+        """Start the allgather of the bucket's updated block."""
+        if not self._sharded:
+            return
+        if bucket.pieces:
+            block = torch.cat([self._shards[piece.index] for piece in bucket.pieces])
+        else:
+            block = torch.empty(0, dtype=bucket.dtype, device=bucket.params[0].device)
+        self._gathering[bucket.number] = collectives.allgather_async(
+            block, name=f"{self._name}.params.{bucket.number}", process_set=self._process_set)
+
+    def wait_parameters(self, buckets=None) -> None:
+        """Wait for the parameters' allgather (of ``buckets`` only, if given) and copy them in."""
+        if not self._gathering:
+            return
+        with torch.no_grad():
+            for bucket in self.buckets if buckets is None else buckets:
+                handle = self._gathering.pop(bucket.number, None)
+                if handle is None:
+                    continue
+                flat = collectives.synchronize(handle)
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    p.view(-1).copy_(flat[offset:offset + p.numel()])
+
+    def _hook_forward(self, module: torch.nn.Module) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"ZeroOptimizer: overlap_forward takes the model (a torch.nn.Module), got "
+                            f"{type(module).__name__}")
+        reference = weakref.ref(self)
+        for sub in module.modules():
+            mine = {self._bucket_of[id(p)].number: self._bucket_of[id(p)]
+                    for p in sub.parameters(recurse=False) if id(p) in self._bucket_of}
+            if not mine:
+                continue
+
+            def before_forward(_module, _inputs, buckets=tuple(mine.values())):
+                live = reference()
+                if live is not None:
+                    live.wait_parameters(buckets)
+
+            self._forward_hooks.append(sub.register_forward_pre_hook(before_forward))
+        weakref.finalize(self, _remove_hooks, self._forward_hooks)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear the parameters' gradients; refused while their reduce-scatters are in flight."""
+        if self._reducing:
+            raise AssertionError("ZeroOptimizer.zero_grad() was called after loss.backward() but before step() "
+                                 "or synchronize(); the gradients are still being reduced. Call step() first")
+        self.wait_parameters()
+        for p in self._params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    # ---------------------------------------------------------- checkpoints
+    def consolidate_state_dict(self, to: int = 0):
+        """Gather the full optimizer state onto global rank ``to``: returned there (and kept for
+        ``state_dict()``), None elsewhere. An unsharded optimizer over the same parameters loads
+        it. Collective: every rank of the process set calls it."""
+        self.wait_parameters()
+        full = sharded_checkpoint.consolidate(self, to)
+        self._consolidated = full
+        return full
+
+    def state_dict(self):
+        """The state ``consolidate_state_dict`` gathered on this rank (call that first, on every rank)."""
+        full = getattr(self, "_consolidated", None)
+        if full is None:
+            raise RuntimeError(f"ZeroOptimizer.state_dict() on rank {runtime().rank}: the state is sharded over "
+                               f"the ranks; call optimizer.consolidate_state_dict(to=RANK) on every rank first, "
+                               f"then state_dict() on rank RANK (or use the value consolidate_state_dict returns)")
+        return full
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a full (unsharded) optimizer state, as ``state_dict()`` or an unsharded optimizer
+        gives it, saved at any number of ranks: each rank keeps its shard of it."""
+        sharded_checkpoint.load(self, state_dict)
+
+    def shard_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its shard's)."""
+        return sum(value.numel() * value.element_size() for state in self.optim.state.values()
+                   for value in state.values() if isinstance(value, torch.Tensor))
+
+    def __repr__(self) -> str:
+        return (f"ZeroOptimizer({type(self.optim).__name__}, {len(self.buckets)} buckets, "
+                f"rank {self._rank} of {self._size})")
+
+
+def _over_shards(optimizer: torch.optim.Optimizer, shards: List[torch.Tensor]) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` (its class and hyperparameters) over the shard views, with no state."""
+    inner = type(optimizer).__new__(type(optimizer))
+    inner.__dict__.update({key: value for key, value in vars(optimizer).items() if key not in ("step", "zero_grad")})
+    inner.state = defaultdict(dict)
+    groups = []
+    at = 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append({**group, "params": shards[at:at + count]})
+        at += count
+    inner.param_groups = groups
+    return inner
+
+
+def _check_arguments(optimizer, compression, backward_passes_per_step, op, predivide, process_set,
+                     bucket_bytes) -> None:
+    """Refuse, with the reason, what sharding cannot do."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if hasattr(optimizer, "_ringmaster_base") or isinstance(optimizer, ZeroOptimizer):
+        raise ValueError("ZeroOptimizer: this optimizer is already wrapped by ringmaster; wrap the original "
+                         "torch optimizer once")
+    base = type(optimizer)
+    if not issubclass(base, PER_PARAMETER_OPTIMIZERS):
+        names = ", ".join(cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS)
+        raise ValueError(f"ZeroOptimizer: {base.__name__} is not one of torch's elementwise optimizers ({names}); "
+                         f"each rank steps only a range of each parameter, which gives the same result only "
+                         f"when an element's update reads nothing but that element, its gradient and its state. "
+                         f"Use DistributedOptimizer without shard_optimizer_state")
+    if op == collectives.Adasum:
+        raise ValueError("ZeroOptimizer: op=Adasum combines each rank's whole parameter update, computed from "
+                         "its whole optimizer state; sharded state has no whole update to combine. Use "
+                         "op=Average, or Adasum without shard_optimizer_state")
+    if op not in (collectives.Average, collectives.Sum):
+        raise ValueError(f"ZeroOptimizer: op must be ringmaster.Average or Sum, got {op!r}")
+    if callable(getattr(compression, "prepare", None)) and callable(getattr(compression, "combine", None)):
+        raise ValueError(f"ZeroOptimizer: {type(compression).__name__} (rgc/topk) keeps a residual of each whole "
+                         f"gradient and exchanges selected entries by allgather; a reduce-scatter of buckets "
+                         f"has no such form. Use Compression.none, fp16 or bf16")
+    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
+        raise TypeError(f"ZeroOptimizer: compression={compression!r} has no compress()/decompress(); pass "
+                        f"ringmaster.Compression.none, .fp16 or .bf16")
+    if wire_format(compression, torch.zeros(1)):
+        raise ValueError(f"ZeroOptimizer: compression={compression.__name__} encodes 8-bit codes inside the "
+                         f"ring allreduce, which a reduce-scatter does not run; use Compression.fp16 or bf16")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
+    if op != collectives.Average and predivide != 1.0:
+        raise ValueError("gradient_predivide_factor applies to op=Average only")
+    if not predivide > 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {predivide!r}")
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ringmaster.ProcessSet, got {type(process_set).__name__}")
+    if process_set.process_set_id is None:
+        raise ValueError(f"{process_set!r} is not registered; pass it to ringmaster.add_process_set() first")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"ZeroOptimizer: bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+
+
+def _names(optimizer, named_parameters) -> Dict[torch.Tensor, str]:
+    if named_parameters is None:
+        return {}
+    names = {}
+    for item in named_parameters:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ValueError("named_parameters must be (name, parameter) pairs, as model.named_parameters() gives")
+        names.setdefault(item[1], item[0])
+    return names
+
+
+def _weak_hook(optimizer: ZeroOptimizer):
+    reference = weakref.ref(optimizer)
+
+    def gradient_ready(p: torch.Tensor) -> None:
+        live = reference()
+        if live is not None:
+            live._gradient_ready(p)
+
+    return gradient_ready
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def refuse_elastic(optimizer) -> None:
+    """Elastic state cannot hold a ZeroOptimizer: raise, saying why (``rm.elastic.TorchState``)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        raise ValueError("rm.elastic.TorchState: a ZeroOptimizer's state is sharded over the ranks; a re-formed "
+                         "job with other ranks cannot restore a shard of a rank that is gone, nor sync one by "
+                         "broadcast from rank 0. Use DistributedOptimizer without shard_optimizer_state in "
+                         "elastic jobs")
+
+def sharded_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                      gradient_predivide_factor, groups, sparse_as_dense, process_set, update_per_bucket):
+    """``DistributedOptimizer(..., shard_optimizer_state=True)``: a ZeroOptimizer, or a refusal of
+    the options that concern the unsharded optimizer only."""
+    if groups:
+        raise ValueError("DistributedOptimizer(shard_optimizer_state=True): groups= fuses whole-gradient "
+                         "allreduces; sharded gradients are reduce-scattered by bucket (ZeroOptimizer's "
+                         "bucket_bytes=): leave groups unset")
+    if sparse_as_dense:
+        raise ValueError("DistributedOptimizer(shard_optimizer_state=True): sparse gradients are always reduced "
+                         "as dense buckets here; leave sparse_as_dense=False")
+    if update_per_bucket:
+        raise ValueError("DistributedOptimizer(shard_optimizer_state=True): update_per_bucket concerns the "
+                         "unsharded gradient plan; the sharded optimizer steps its shard once per step")
+    return ZeroOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                         gradient_predivide_factor, process_set)
