@@ -34,6 +34,7 @@ from ringmaster.worker.runtime.device import Devices
 from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable  # noqa: F401 (Entry: re-exported)
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
 from ringmaster.worker.runtime.gradient_plan import overlaps_all
+from ringmaster.worker.runtime.hierarchy import Hierarchy
 from ringmaster.worker.runtime.hierarchy import split as split_hierarchy
 from ringmaster.worker.runtime.result_memory import ResultPool
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
@@ -119,6 +120,7 @@ class Executor(AllreducePaths):
         # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.
         self._plans: Dict[tuple, object] = {}
         self._attached_plans: List[object] = []  # plans given a communicator of their own, to free at the end
+        self._plan_hosts: List[Hierarchy] = []     # their hosts' communicators, to free at the end
         self._stopping = False
         self.cache = None  # the runtime's ResponseCache, told of the responses it may reuse
         #: The autotuner (RINGMASTER_AUTOTUNE), set by the runtime before start(); see worker/runtime/autotune.py.
@@ -193,9 +195,10 @@ class Executor(AllreducePaths):
         """Free the process sets' and gradient plans' communicators (after :meth:`stop` returned True)."""
         for plan in self._attached_plans:
             plan.comm.Free()
-            if plan.hierarchy is not None:
-                plan.hierarchy.free()
+        for hosts in self._plan_hosts:
+            hosts.free()
         self._attached_plans.clear()
+        self._plan_hosts.clear()
         for set_id in [i for i in self._sets if i != 0]:
             self._sets.pop(set_id).comm.Free()
 
@@ -340,11 +343,13 @@ class Executor(AllreducePaths):
             # this is where it can get a communicator of its own (a collective call). Its
             # later steps go over that communicator without negotiation (GradientPlan.finish).
             plan_comm = group.comm.Dup()
-            plan.attach(plan_comm, self.algorithm, self.segment_bytes, lambda: self._stopping,
-                        self._on_fatal, lambda: _lower_this_threads_priority(self.nice),
-                        overlap_all=overlaps_all(self._plan_overlap, self._local_size),
-                        hierarchy=split_hierarchy(plan_comm) if self._hierarchical and not response.process_set_id
-                        else None)
+            hosts = split_hierarchy(plan_comm) if self._hierarchical and not response.process_set_id else None
+            if hosts is not None:
+                self._plan_hosts.append(hosts)
+            plan.attach(plan_comm, self._devices.host.open_transport(plan_comm, hosts), self.algorithm,
+                        self.segment_bytes, lambda: self._stopping, self._on_fatal,
+                        lambda: _lower_this_threads_priority(self.nice),
+                        overlap_all=overlaps_all(self._plan_overlap, self._local_size))
             self._attached_plans.append(plan)
             plan.run(plan.comm, joined=joined, algorithm=self.algorithm,
                      segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)

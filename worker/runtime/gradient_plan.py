@@ -61,7 +61,6 @@ from ringmaster import ops
 from ringmaster.ops.waiting import eagerly, wait
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.errors import RingmasterError
-from ringmaster.worker.runtime.hierarchy import use_for as use_hierarchy
 from ringmaster.worker.runtime.tensors import flat_array
 
 #: Gradients of at least this many bytes are reduced where they lie, each on its own
@@ -159,7 +158,7 @@ class GradientPlan:
         self._missing = [len(bucket.indices) for bucket in self.buckets]
         #: The plan's own communicator, from its first run on (see :meth:`attach`).
         self.comm = None
-        self.hierarchy = None  # its hosts' communicators, with RINGMASTER_HIERARCHICAL_ALLREDUCE
+        self.transport = None  # its host transport (through the hosts with RINGMASTER_HIERARCHICAL_ALLREDUCE)
         self.overlap_all = True
         self._run_settings = None                     # (algorithm, segment_bytes, stopping)
         self._steps: "queue.Queue" = queue.Queue()  # _RUN_STEP, _SERVE_JOINED, or None: end the thread
@@ -295,9 +294,9 @@ class GradientPlan:
             return not any(self._missing)
 
     # --------------------------------------------------- background thread
-    def attach(self, comm, algorithm: str, segment_bytes: int, stopping: Callable[[], bool],
+    def attach(self, comm, transport, algorithm: str, segment_bytes: int, stopping: Callable[[], bool],
                on_fatal: Callable[[BaseException], None], prepare_thread: Callable[[], None],
-               overlap_all: bool = True, hierarchy=None) -> None:
+               overlap_all: bool = True) -> None:
         """Give the plan its own communicator and start the thread that runs it ahead.
 
         Called on the background thread at the plan's first run, where every member of the
@@ -305,12 +304,12 @@ class GradientPlan:
         duplicated there). ``prepare_thread`` runs first on the new thread (its priority).
         The thread reduces buckets during backward only with ``overlap_all`` (see
         :func:`overlaps_all`); otherwise the hooks start the small buckets that lead the order
-        (:meth:`mark_ready`) and ``step()`` runs the rest. ``hierarchy``: ``comm``'s
-        communicators of the hosts (``RINGMASTER_HIERARCHICAL_ALLREDUCE``): big buckets go
-        through them.
+        (:meth:`mark_ready`) and ``step()`` runs the rest. ``transport``: ``comm``'s host
+        transport, as the executor's device opens it (``worker/runtime/device.py``: its big
+        allreduces through the hosts with ``RINGMASTER_HIERARCHICAL_ALLREDUCE``).
         """
         self.comm = comm
-        self.hierarchy = hierarchy
+        self.transport = transport
         self.overlap_all = overlap_all
         self._run_settings = (algorithm, segment_bytes, stopping)
         for bucket in self.buckets:
@@ -537,13 +536,10 @@ class GradientPlan:
         self._unpack(number, work, gradients, scaled=True)
 
     def _allreduce(self, comm, array, algorithm: str, scale, segment_bytes: int) -> None:
-        """A bucket's sum over ``comm``: through the hosts where the plan has them and the ring
-        would run (the same decision on every member, joined or not), else ``ops.allreduce``."""
-        if (comm is self.comm and self.hierarchy is not None
-                and use_hierarchy(algorithm, array, comm.Get_size(), "sum")):
-            self.hierarchy.allreduce(array, "sum", scale=scale, segment_bytes=segment_bytes)
-        else:
-            ops.allreduce(comm, array, "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
+        """A bucket's sum over the plan's communicator, by its transport: through the hosts where
+        the transport is hierarchical and the ring would run (the same decision on every member,
+        joined or not)."""
+        self.transport.allreduce(array, "sum", scale=scale, algorithm=algorithm)
 
     def _unpack(self, number: int, work: torch.Tensor, gradients: List[torch.Tensor], scaled: bool = False) -> None:
         """Put bucket ``number``'s reduced ``work`` into its gradients (after the postscale, unless ``scaled``)."""
