@@ -33,9 +33,9 @@ from ringmaster.worker.runtime.allreduce_paths import OPS_REDUCTION, AllreducePa
 from ringmaster.worker.runtime.device import Devices
 from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable  # noqa: F401 (Entry: re-exported)
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
-from ringmaster.worker.runtime.gradient_plan import overlaps_all
 from ringmaster.worker.runtime.hierarchy import Hierarchy
 from ringmaster.worker.runtime.hierarchy import split as split_hierarchy
+from ringmaster.worker.runtime.plan_buckets import overlaps_all
 from ringmaster.worker.runtime.result_memory import ResultPool
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
 
@@ -347,12 +347,10 @@ class Executor(AllreducePaths):
             if hosts is not None:
                 self._plan_hosts.append(hosts)
             plan.attach(plan_comm, self._devices.host.open_transport(plan_comm, hosts), self.algorithm,
-                        self.segment_bytes, lambda: self._stopping, self._on_fatal,
-                        lambda: _lower_this_threads_priority(self.nice),
+                        lambda: self._stopping, self._on_fatal, lambda: _lower_this_threads_priority(self.nice),
                         overlap_all=overlaps_all(self._plan_overlap, self._local_size))
             self._attached_plans.append(plan)
-            plan.run(plan.comm, joined=joined, algorithm=self.algorithm,
-                     segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
+            plan.run(joined=joined)
             if joined:  # the others' next steps open with a header this rank must answer
                 plan.serve_joined()
         if entry is not None:
