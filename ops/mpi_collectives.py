@@ -138,6 +138,26 @@ def allgatherv(comm: MPI.Comm, sendbuf: np.ndarray, counts) -> np.ndarray:
     return recvbuf
 
 
+def allgatherv_in_place(comm: MPI.Comm, buffer: np.ndarray, counts) -> np.ndarray:
+    """Every rank's part of ``buffer`` into every rank's ``buffer``, in place; return it.
+
+    Rank i's part is its ``counts[i]`` elements after those of the ranks before it (as
+    :func:`allgatherv` concatenates them); every rank passes the same counts and dtype, and
+    ``buffer.size == sum(counts)``. No copy: the hierarchical allreduce's last step.
+    """
+    name = "allgatherv_in_place"
+    _checks.check_comm(comm, name)
+    _checks.check_array(buffer, "buffer", name, writable=True)
+    counts = _checks.check_counts(counts, "counts", comm, name)
+    if buffer.size != int(counts.sum()):
+        raise ValueError(f"{name}: buffer has {buffer.size} elements but counts sum to {int(counts.sum())}; "
+                         f"they must be equal")
+    _check_addressable(buffer, "buffer", name)
+    traffic.record("allgather", int(counts[comm.Get_rank()]) * buffer.itemsize * (comm.Get_size() - 1))
+    comm.Allgatherv(MPI.IN_PLACE, [buffer, (counts, _displacements(counts)), mpi_datatype(buffer.dtype)])
+    return buffer
+
+
 def broadcast(comm: MPI.Comm, buffer: np.ndarray, root: int = 0) -> np.ndarray:
     """Overwrite ``buffer`` on every rank with root's ``buffer``, in place; return it.
 

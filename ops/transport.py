@@ -4,7 +4,8 @@ The executor runs every collective of a response through a :class:`Transport`, c
 communicator from where the tensors live: :class:`HostTransport` for NumPy arrays (the
 host collectives of this package), a GPU transport for CuPy arrays (``ops/gpu/``: ``nccl``,
 ``ipc``, ``mpi``, ``staged``, opened by name from :data:`ringmaster.ops.gpu.TRANSPORT_CLASSES`),
-and ``ops/gpu/hierarchical.py``'s composition of two of them. Arrays are 1-D and contiguous;
+and ``ops/hierarchical.py``'s composition of any two of them, one within each host and one
+between hosts (``HierarchicalTransport``, for host and GPU alike). Arrays are 1-D and contiguous;
 outputs are allocated by the caller; every rank calls each method with matching arguments,
 in the same order (invariant 1), as with MPI itself.
 
@@ -16,11 +17,13 @@ do natively), one line in ``TRANSPORT_CLASSES``, and its name among the setting'
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from .adasum import adasum_allreduce
 from .allreduce import allreduce as host_allreduce
-from .mpi_collectives import allgatherv, alltoallv, broadcast
+from .mpi_collectives import allgatherv, allgatherv_in_place, alltoallv, broadcast
 from .reducescatter import reducescatter
 from .quantized_ring import quantized_ring_allreduce
 
@@ -31,6 +34,8 @@ class Transport(Protocol):
     the same kind of interface for the 8-bit ring)."""
 
     name: str
+    rank: int
+    size: int
 
     def span_label(self, algorithm: str) -> str:
         """The timeline's name of an allreduce by ``algorithm`` ("ring", "mpi", "auto") here."""
@@ -66,35 +71,26 @@ class HostTransport:
     Args:
         comm: the communicator.
         segment_bytes: the ring's segment (``RINGMASTER_SEGMENT_BYTES``).
-        hierarchical: ``(array, op, scale, segment_bytes) -> None``, the hierarchical allreduce
-            over the hosts' communicators (``RINGMASTER_HIERARCHICAL_ALLREDUCE``), or None.
-        through_hosts: ``(array, op, algorithm) -> bool``: whether an allreduce goes through
-            the hosts (the same answer on every rank; the runtime's rule is "where the flat
-            ring would run").
     """
 
     name = "host"
+    #: Within a host, the hierarchical allreduce's first step (``ops/hierarchical.py``) is the
+    #: ring's allreduce of the whole buffer, not MPI_Reduce_scatter: Open MPI's took 144-321 ms
+    #: for 64 MiB on 2 local ranks of a 2-core VM, the ring's allreduce 41-54 ms
+    #: (``bench/cluster.py --hierarchical 2``, docs/benchmarks.md).
+    host_step_allreduces = True
 
-    def __init__(self, comm, segment_bytes: int, hierarchical: Optional[Callable[..., None]] = None,
-                 through_hosts: Optional[Callable[..., bool]] = None):
+    def __init__(self, comm, segment_bytes: int):
         self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.segment_bytes = segment_bytes
-        self.hierarchical = hierarchical
-        self._through_hosts = through_hosts
 
     def span_label(self, algorithm: str) -> str:
-        if self.hierarchical is not None and algorithm == "ring":
-            return "HIERARCHICAL_ALLREDUCE"
         return f"{algorithm.upper()}_ALLREDUCE"
 
     def allreduce(self, array, op: str = "sum", scale=None, algorithm: str = "auto", source=None) -> None:
         """As :meth:`Transport.allreduce`; ``source``: reduce from it rather than from ``array``'s
         own contents (the host ring reads it directly: an out-of-place result needs no copy)."""
-        if self.hierarchical is not None and self._through_hosts(array, op, algorithm):
-            if source is not None:
-                array[:] = source
-            self.hierarchical(array, op, scale, self.segment_bytes)
-            return
         host_allreduce(self.comm, array, op, algorithm, source=source, scale=scale, segment_bytes=self.segment_bytes)
 
     def quantized_allreduce(self, array, codec, scale=None) -> None:
@@ -104,7 +100,11 @@ class HostTransport:
         adasum_allreduce(self.comm, array, edges, wire)
 
     def allgatherv(self, send, recv, counts) -> None:
-        recv[:] = allgatherv(self.comm, send, counts)
+        """As :meth:`Transport.allgatherv`; where ``send`` is this rank's own part of ``recv``, in place."""
+        if _own_part(send, recv, counts, self.rank):
+            allgatherv_in_place(self.comm, recv, counts)
+        else:
+            recv[:] = allgatherv(self.comm, send, counts)
 
     def broadcast(self, array, root: int) -> None:
         broadcast(self.comm, array, root)
@@ -117,3 +117,20 @@ class HostTransport:
 
     def close(self) -> None:
         pass
+
+
+def _own_part(send: np.ndarray, recv: np.ndarray, counts, rank: int) -> bool:
+    """Whether ``send`` is the part of ``recv`` where rank ``rank``'s counts put it (a view of it)."""
+    if send.dtype != recv.dtype or send.size != counts[rank] or _owner(send) is not _owner(recv):
+        return False
+    if send.size == 0:  # (NumPy gives an empty slice its array's start)
+        return True
+    start = recv.__array_interface__["data"][0] + int(sum(counts[:rank])) * recv.itemsize
+    return send.__array_interface__["data"][0] == start
+
+
+def _owner(array: np.ndarray) -> np.ndarray:
+    """The NumPy array whose memory ``array`` views (itself if none)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array

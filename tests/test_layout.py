@@ -344,3 +344,19 @@ def _cycle_report(cycles) -> str:
 def test_no_import_cycles():
     cycles = _cycles()
     assert not cycles, _cycle_report(cycles)
+
+
+#: docs/architecture.md: "Keep modules under ~600 lines, split by job".
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_600_lines():
+    """Every ``.py`` file outside tests/ (source, bench/, examples/) has at most MAX_MODULE_LINES lines."""
+    files = [path for path in ROOT.rglob("*.py") if not any(part == "tests" or part.startswith(".")
+                                                              for part in path.relative_to(ROOT).parts)]
+    assert any(path.name == "executor.py" for path in files)
+    long = [f"{path.relative_to(ROOT)}: {count} lines\n    breaks: a module has one job and at most "
+            f"{MAX_MODULE_LINES} lines; split it by job"
+            for path in sorted(files) for count in [len(path.read_text(encoding="utf-8").splitlines())]
+            if count > MAX_MODULE_LINES]
+    assert not long, _report(long)

@@ -119,6 +119,30 @@ def test_two_optimizers_over_copies_of_one_model_each_run_their_own_plan():
     ([], False, []),
 ])
 def test_reduction_order_of_the_gradient_plan(deferred, overlap_all, expected):
-    from ringmaster.worker.runtime.gradient_plan import reduction_order
+    from ringmaster.worker.runtime.plan_buckets import reduction_order
 
     assert reduction_order(deferred, overlap_all) == expected
+
+
+@pytest.mark.timeout(30)
+def test_the_gradient_plan_moves_only_along_its_phases():
+    """A plan starts negotiated (its first run is the background thread's); a move its table does
+    not allow is an internal error naming the plan; once failed or closed it stays so."""
+    import torch
+
+    from ringmaster.worker.runtime.errors import RingmasterError
+    from ringmaster.worker.runtime.gradient_plan import _MOVES, GradientPlan, Phase
+
+    plan = GradientPlan([torch.zeros(3)], ["w"], 1.0, 1.0)
+    assert plan.phase is Phase.NEGOTIATED and not plan.runs_ahead()
+    plan.start_step()  # the first run's step: still negotiated
+    assert plan.phase is Phase.NEGOTIATED
+    with pytest.raises(RingmasterError, match=f"internal error: gradient plan {plan.request_name} cannot go "
+                                              f"from negotiated to caller"):
+        plan._move(Phase.CALLER)
+    for phase in Phase:  # every phase but the final ones can fail or close; nothing leaves CLOSED
+        assert (Phase.CLOSED in _MOVES[phase]) == (phase is not Phase.CLOSED)
+        assert (Phase.FAILED in _MOVES[phase]) == (phase not in (Phase.FAILED, Phase.CLOSED))
+    assert plan._move(Phase.FAILED) and plan.phase is Phase.FAILED
+    assert not plan._move(Phase.OPEN) and plan.phase is Phase.FAILED  # a later step leaves it failed
+    assert plan.close(1.0) and plan.phase is Phase.FAILED  # no thread: nothing to end

@@ -8,7 +8,7 @@ from mpijob import mpirun
 
 from ringmaster.common.config import GPU_TRANSPORTS
 from ringmaster.ops.gpu import TRANSPORT_CLASSES, open_transport, transport_class
-from ringmaster.ops.gpu.hierarchical import HierarchicalTransport
+from ringmaster.ops.hierarchical import HierarchicalTransport
 from ringmaster.ops.transport import HostTransport, Transport
 
 METHODS = [name for name, member in inspect.getmembers(Transport, inspect.isfunction) if not name.startswith("_")]

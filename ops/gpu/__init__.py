@@ -16,9 +16,9 @@ on it again. They are opened by name from :data:`TRANSPORT_CLASSES`:
   device-to-host and host-to-device copies on their own streams overlapping the host
   collective of the chunk between them.
 
-With ``RINGMASTER_HIERARCHICAL_ALLREDUCE`` across hosts, :mod:`.hierarchical` composes two
-of them for the big allreduces: one within each host, one between hosts
-(:func:`.placement.choose_hierarchical`).
+With ``RINGMASTER_HIERARCHICAL_ALLREDUCE`` across hosts, ``ringmaster.ops.hierarchical``
+composes two of them for the big allreduces, as it does host transports: one within each
+host, one between hosts, which :mod:`.hierarchical` picks (:func:`.placement.choose_hierarchical`).
 
 :func:`.placement.choose_transport` picks one from a described placement (a pure
 function, tested on CPU); ``RINGMASTER_GPU_TRANSPORT`` forces one. Importing this package

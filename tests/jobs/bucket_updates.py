@@ -25,7 +25,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
 import ringmaster as rm
-import ringmaster.worker.frontend.optimizer as optimizer_module
+import ringmaster.worker.frontend.plan_driver as plan_driver_module
 from job_report import Tally
 
 rm.init()
@@ -37,7 +37,7 @@ STEPS = 5
 SECTIONS = sys.argv[1:] or ["matrix", "cases", "hooks"]
 
 BUCKET_STEPS = [0]
-_step_parameters = optimizer_module.step_parameters
+_step_parameters = plan_driver_module.step_parameters
 
 
 def counting_step_parameters(*args, **kwargs):
@@ -46,7 +46,7 @@ def counting_step_parameters(*args, **kwargs):
     return _step_parameters(*args, **kwargs)
 
 
-optimizer_module.step_parameters = counting_step_parameters
+plan_driver_module.step_parameters = counting_step_parameters
 
 
 def model():

@@ -1,4 +1,5 @@
-"""The GPU hierarchical allreduce (``ringmaster.ops.gpu.hierarchical``) on pretend hosts.
+"""The hierarchical allreduce of GPU transports (``ringmaster.ops.hierarchical``, as
+``ringmaster.ops.gpu.hierarchical`` composes it) on pretend hosts.
 
 Run under mpirun as ``hierarchical_transports.py MODE LOCAL_SIZE [WITHIN]``. The world is cut
 into "hosts" of ``LOCAL_SIZE`` consecutive ranks (the runtime cuts them from MPI's
@@ -39,9 +40,9 @@ import numpy as np
 from mpi4py import MPI
 
 from job_report import Tally
-from ringmaster.ops.gpu.hierarchical import hierarchical_allreduce, open_hierarchical
+from ringmaster.ops.gpu.hierarchical import open_hierarchical
 from ringmaster.ops.gpu.placement import Placement, TransportChoice
-from ringmaster.ops.hierarchical import chunk_counts
+from ringmaster.ops.hierarchical import allreduce_through_hosts, chunk_counts
 from ringmaster.worker.runtime import hierarchy
 
 MODE, LOCAL_SIZE = sys.argv[1], int(sys.argv[2])
@@ -176,9 +177,8 @@ class Recording:
 flat = Recording(open_transport(WITHIN if MODE == "cuda" else "staged", comm))
 
 
-def through_hosts(array, op, algorithm):
-    """The runtime's rule (worker/runtime/device.py): where the flat ring would run."""
-    return hierarchy.use_for(algorithm, array, SIZE, op)
+#: The runtime's rule (worker/runtime/hierarchy.py): where the flat ring would run.
+through_hosts = hierarchy.through_hosts(SIZE)
 
 
 def build(cuda_aware):
@@ -254,7 +254,7 @@ def check_matrix(transport, label, lengths, ops=OPS):
                 want = reduced(values, op)
                 case = f"{label} {np.dtype(dtype)} {op} n={n}"
                 array = to_device(values[RANK])
-                hierarchical_allreduce(local, cross, array, op)
+                allreduce_through_hosts(local, cross, array, op)
                 got = to_host(array)
                 TALLY.report(case, np.array_equal(got, want), f"got {got[:5]} want {want[:5]}")
                 same_on_every_rank(case, got)

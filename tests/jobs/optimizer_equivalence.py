@@ -133,6 +133,9 @@ def train(case, make_optimizer, passes=1, branch_on_rank=None, scale=1.0, clip=N
                f"plan used: {used}")
         if used:  # from its second run on, the plan runs on its own communicator, without negotiation
             report(f"{case}: the plan ran on its own communicator", optimizer._plan.runs_ahead())
+            # step() reduced what the plan's thread or the hooks had not started, and the step is over.
+            report(f"{case}: the step ended with the caller", optimizer._plan.phase.value == "caller",
+                   optimizer._plan.phase.value)
             overlap = os.environ.get("RINGMASTER_PLAN_OVERLAP", "auto")
             if overlap != "auto":
                 report(f"{case}: buckets started during backward: {overlap}",

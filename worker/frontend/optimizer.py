@@ -7,7 +7,8 @@ first layers still runs. ``step()`` waits for them, then runs the wrapped optimi
 
 The first step negotiates each gradient with the coordinator. When that step shows plain
 data-parallel training on every rank, later steps follow a fixed plan of buckets that runs
-on a communicator of its own, without negotiation (``ringmaster.worker.runtime.gradient_plan``).
+on a communicator of its own, without negotiation (``ringmaster.worker.runtime.gradient_plan``),
+driven from here by ``plan_driver.PlanDriver``.
 """
 
 from __future__ import annotations
@@ -22,17 +23,15 @@ import torch
 
 from ringmaster.worker.compression.compressors import Compression, wire_format
 from ringmaster.worker.frontend import collectives, low_rank
-from ringmaster.worker.frontend.bucket_updates import can_update_per_bucket, step_hooks, step_parameters
+from ringmaster.worker.frontend.bucket_updates import can_update_per_bucket, step_hooks
 from ringmaster.worker.frontend.adasum_optimizer import _DistributedAdasumOptimizer
 from ringmaster.worker.frontend.calibration import calibrated
-from ringmaster.worker.frontend.differentiable import allreduce
 from ringmaster.worker.frontend.local_parameters import is_local
+from ringmaster.worker.frontend.plan_driver import PlanDriver, second_pass_error
 from ringmaster.worker.frontend.sparse import sparse_allreduce_async
 from ringmaster.worker.runtime.current import runtime
-from ringmaster.worker.runtime.errors import RingmasterError
 from ringmaster.worker.runtime.gradient_plan import GradientPlan
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set
-from ringmaster.worker.runtime.tensors import reduction_dtype
 
 _NAME_PREFIX = "DistributedOptimizer."
 
@@ -77,16 +76,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         state = runtime()  # must be initialized
-        # The fixed gradient plan: None until the first step shows it fits (on every rank).
-        self._plan: Optional[GradientPlan] = None
-        self._plan_step_open = False              # a step of the plan has started (its first hook fired)
-        self._plan_filled: set = set()            # parameters the plan reduced as zeros this step
-        self._plan_decided = False
-        self._plan_runtime = None                 # the runtime the plan belongs to
-        self._plan_possible = (state.config.gradient_plan and self._sparsifier is None and not self._groups
-                               and compression is Compression.none)
-        self._watching_first_pass = False
-        self._first_pass_complete = False
+        # The fixed gradient plan: none until the first step shows it fits (on every rank).
+        self._plans = PlanDriver(
+            state.config.gradient_plan and self._sparsifier is None and not self._groups
+            and compression is Compression.none, self._requires_update,
+            {p: _NAME_PREFIX + name for p, name in self._parameter_names.items()}, self._delay, process_set)
         if self._sparsifier is not None and process_set.included() and process_set.size() > 1:
             setup = getattr(self._sparsifier, "setup", None)
             if callable(setup):  # e.g. rgc(mode="auto") calibrates its cost model: every rank, here
@@ -107,13 +101,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """Called by autograd once ``p.grad`` holds this backward pass's gradient."""
         if self._delay[p] <= 0:
-            if p in self._plan_filled:
-                raise RingmasterError(
-                    f"the gradient of '{self._parameter_names[p]}' arrived from a second backward pass "
-                    f"after the first one of this step had ended, when it had already been reduced as zeros. "
-                    f"DistributedOptimizer follows a fixed plan because its first step produced every "
-                    f"gradient in one backward pass; call step() between backward passes, set "
-                    f"backward_passes_per_step, or set RINGMASTER_GRADIENT_PLAN=0")
+            if self._plans.filled_in(p):
+                raise second_pass_error(self._parameter_names[p])
             raise AssertionError(
                 f"the gradient of '{self._parameter_names[p]}' was computed more than "
                 f"backward_passes_per_step={self.backward_passes_per_step} times before step(); "
@@ -124,14 +113,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._low_rank is not None:
             self._handles[p] = (None, None, None)
             return
-        if self._plan is not None and not self._plan_step_open:
-            self._forget_plan_of_an_ended_runtime()
-        if self._plan is not None:
-            self._plan_gradient_ready(p)
+        if self._plans.gradient_ready(p):
             return
-        if self._plan_possible and not self._plan_decided and not self._watching_first_pass:
-            self._watching_first_pass = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._note_first_pass_end)
         group = self._group_of.get(p)
         if group is None:
             self._handles[p] = self._allreduce_gradient_async(p)
@@ -142,88 +125,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len(ready) == len(self._groups[group]):
             self._allreduce_group_async(group)
 
-    # ----------------------------------------------------------- the plan
-    def _note_first_pass_end(self) -> None:
-        """End of the first step's communicating backward pass: did it produce every gradient?"""
-        self._first_pass_complete = all(self._delay[p] == 0 for p in self._requires_update)
-
-    def _decide_plan(self) -> None:
-        """After the first synchronize: switch to the plan if it fits on every rank (one allreduce)."""
-        self._plan_decided = True
-        fits = self._first_pass_complete and all(
-            p.grad is not None and not p.grad.is_sparse and p.grad.device.type == "cpu"
-            and p.grad.dtype == p.dtype and reduction_dtype(p.dtype) == p.dtype for p in self._requires_update)
-        order = self._requires_update[::-1]  # backward produces the last layers' gradients first
-        prescale, postscale = self._scaling()
-        if self._op == collectives.Average:
-            postscale /= self._process_set.size()
-        plan = GradientPlan(order, [_NAME_PREFIX + self._parameter_names[p] for p in order], prescale, postscale,
-                            self._process_set.process_set_id)
-        # Sum of ones: a rank that has joined adds zero, and then no plan is used.
-        votes = allreduce(torch.tensor([1 if fits else 0], dtype=torch.int32), op=collectives.Sum,
-                          name=plan.request_name + ".agree", process_set=self._process_set)
-        if int(votes.item()) == self._process_set.size():
-            self._plan_runtime = runtime()
-            self._plan_runtime.executor.register_plan(self._process_set.process_set_id, plan)
-            self._plan = plan
-
-    def _forget_plan_of_an_ended_runtime(self) -> None:
-        """After ``shutdown()`` and a new ``init()``, negotiate a step again and decide the plan anew.
-
-        The plan's communicator and thread ended with the runtime it was made in.
-        """
-        if self._plan_runtime is not runtime():
-            self._plan = None
-            self._plan_runtime = None
-            self._plan_decided = False
-    def _start_plan_step(self) -> None:
-        """Start this step of the plan; once the plan runs ahead, its thread starts on ready buckets."""
-        self._plan_step_open = True
-        self._plan.start_step()
-        if self._plan.runs_ahead():
-            self._plan.run_ahead()
-
-    def _plan_gradient_ready(self, p: torch.Tensor) -> None:
-        if not self._plan_step_open:
-            self._start_plan_step()
-            # Gradients this backward pass does not produce are reduced as zeros when it ends,
-            # so that the plan never waits for a step() that waits for the plan.
-            torch.autograd.Variable._execution_engine.queue_callback(self._plan_fill_missing)
-        if p.grad.is_sparse:
-            p.grad = p.grad.to_dense()
-        self._plan.mark_ready(self._plan.index[p], p.grad)
-
-    def _plan_fill_missing(self) -> None:
-        """Hand the plan every gradient not handed over yet: the accumulated one, or zeros."""
-        if self._plan.all_ready():  # the usual case, once backward has ended
-            return
-        for p in self._requires_update:
-            index = self._plan.index[p]
-            if self._plan.is_ready(index):
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse:
-                p.grad = p.grad.to_dense()
-            self._delay[p] = 0
-            self._plan_filled.add(p)
-            self._plan.mark_ready(index, p.grad)
-
-    def _synchronize_plan(self, on_reduced=None) -> None:
-        if not self._plan_step_open:  # no gradient this step: every rank still runs the plan
-            self._start_plan_step()
-        self._plan_fill_missing()
-        try:
-            if self._plan.runs_ahead():  # no negotiation: the buckets go over the plan's own communicator
-                self._plan.finish(lambda: runtime().fatal_error, on_reduced)
-            else:  # the plan's first run, on the background thread at its request's place in the order
-                collectives.synchronize(collectives.submit_barrier(self._plan.request_name,
-                                                                   self._process_set.process_set_id))
-        finally:
-            self._plan_step_open = False
-            self._plan_filled.clear()
-            for p in self._requires_update:
-                self._delay[p] = self.backward_passes_per_step
+    @property
+    def _plan(self) -> Optional[GradientPlan]:
+        """The gradient plan the optimizer follows (None: every step is negotiated)."""
+        return self._plans.plan
 
     def _scaling(self) -> Tuple[float, float]:
         if self._op == collectives.Average:
@@ -306,10 +211,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._hooks:
             self._synchronized = True
             return
-        if self._plan is not None and not self._plan_step_open:
-            self._forget_plan_of_an_ended_runtime()
-        if self._plan is not None:
-            self._synchronize_plan()
+        if self._plans.active():
+            self._plans.synchronize(self.backward_passes_per_step)
             self._synchronized = True
             return
         if self._low_rank is not None:
@@ -342,9 +245,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles.clear()
             for p in self._requires_update:
                 self._delay[p] = self.backward_passes_per_step
-            self._watching_first_pass = False
-        if self._plan_possible and not self._plan_decided:
-            self._decide_plan()
+            self._plans.first_pass_over()
+        self._plans.decide(self._op, self._scaling())
         self._synchronized = True
 
     def _synchronize_low_rank(self) -> None:
@@ -430,8 +332,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if closure is None:
                 if self._updates_per_bucket():
                     self._synchronized = False
-                    self._synchronize_plan(on_reduced=self._step_bucket)
-                    self._step_outside_plan()
+                    base_step = super(self._ringmaster_base, self).step
+                    self._plans.synchronize(self.backward_passes_per_step, on_reduced=lambda indices: (
+                        self._plans.step_bucket(base_step, self.param_groups, indices)))
+                    self._plans.step_outside(base_step, self.param_groups)
                     return None
                 self.synchronize()
             else:
@@ -445,21 +349,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _updates_per_bucket(self) -> bool:
         """Whether this step applies the optimizer bucket by bucket (``bucket_updates.py``):
         not while step hooks are registered (they run once, around one step)."""
-        if not self._update_per_bucket or self._plan is None or step_hooks(self):
+        if not self._update_per_bucket or self._plans.plan is None or step_hooks(self):
             return False
-        self._forget_plan_of_an_ended_runtime()
-        return self._plan is not None and self._plan.runs_ahead()
-
-    def _step_bucket(self, indices) -> None:
-        parameters = self._plan.parameters
-        step_parameters(super(self._ringmaster_base, self).step, self.param_groups, [parameters[i] for i in indices])
-
-    def _step_outside_plan(self) -> None:
-        """After the buckets: the parameters the plan does not reduce (a model-parallel shard's)."""
-        index = self._plan.index
-        rest = [p for group in self.param_groups for p in group["params"] if p not in index]
-        if rest:
-            step_parameters(super(self._ringmaster_base, self).step, self.param_groups, rest)
+        return self._plans.runs_ahead()
 
     def _synchronizing(self, closure):
         def evaluate():
@@ -471,7 +363,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the gradients; refused while their allreduces are in flight."""
-        if self._handles or self._plan_step_open:
+        if self._handles or self._plans.step_open:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(); the gradients are still "
                                  "being reduced. Call step() (or synchronize()) first")

@@ -1,9 +1,10 @@
 """The executor's allreduce paths: fused, alone, out of place, bfloat16, and the 8-bit ring.
 
-A mixin of :class:`~ringmaster.worker.runtime.executor.Executor` (which keeps the loop, the
-dispatch, the data movement, control and process-set ops): every method here runs on the
-background thread, on the device of its response (``device.py``), and needs of the executor
-only ``_take``, ``_complete``, ``algorithm``, ``autotune`` and ``_fusion``.
+:class:`AllreducePaths` is the executor's allreducer (the executor keeps the loop, the
+dispatch, the data movement, control and process-set ops): it runs on the background
+thread, on the device of its response (``device.py``), owns what only allreduces use (the
+fusion buffers, the configured algorithm, the autotuner's crossover) and takes the rest as
+arguments: the tensor table it takes entries from, and each response's set and device.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -21,10 +22,8 @@ from ringmaster.ops.dtypes import scale_in_place
 from ringmaster.ops.ring import chunk_bounds
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
+from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable, complete, take
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
-
-if TYPE_CHECKING:  # the executor imports this module
-    from ringmaster.worker.runtime.entries import Entry, SetComm
 
 #: Host tensors of at least this many bytes are never copied into the fusion buffer: at about
 #: 10 GB/s of memory bandwidth the two copies cost more than a separate allreduce call. On a
@@ -37,9 +36,27 @@ OPS_REDUCTION = {pb.SUM: "sum", pb.AVERAGE: "sum", pb.MIN: "min", pb.MAX: "max",
 
 
 class AllreducePaths:
-    """Allreduce of a response's tensors, with Horovod's scaling (see the module docstring)."""
+    """Allreduce of a response's tensors, with Horovod's scaling (see the module docstring).
 
-    def _allreduce(self, response: pb.Response, group: SetComm, device) -> None:
+    Args:
+        table: the tensor table the responses' entries are taken from.
+        algorithm: ``RINGMASTER_ALLREDUCE_ALGORITHM`` (``auto``, ``ring`` or ``mpi``).
+    """
+
+    def __init__(self, table: TensorTable, algorithm: str):
+        self._table = table
+        self.algorithm = algorithm
+        #: The autotuner (RINGMASTER_AUTOTUNE), whose crossover "auto" follows; None: the default one.
+        self.autotune = None
+        self._fusion: Dict[tuple, torch.Tensor] = {}  # by (dtype, device kind)
+
+    def _take(self, response: pb.Response, name: str, device=None) -> Optional[Entry]:
+        return take(self._table, response, name, device)
+
+    _complete = staticmethod(complete)
+
+    def run(self, response: pb.Response, group: SetComm, device) -> None:
+        """Allreduce ``response``'s tensors over ``group`` on ``device`` and complete their handles."""
         if response.compression:
             self._allreduce_quantized(response, group, device)
             return
@@ -205,11 +222,11 @@ class AllreducePaths:
         if entry is not None:
             self._complete(entry, output, device)
 
-    def _allreduce_reduced(self, response: pb.Response, size: int, reduced: np.ndarray) -> None:
+    def run_reduced(self, response: pb.Response, size: int, reduced: np.ndarray) -> None:
         """What :meth:`_allreduce_alone` does after the transfer, for a small CPU tensor with no
         prescaling, whose sum (or min, max, product) over the ``size`` ranks of the job is
         ``reduced`` already (the response cache's cycle carried it)."""
-        entry = self.table.take(0, response.names[0])
+        entry = self._table.take(0, response.names[0])
         shape = entry.tensor.shape
         reduced = reduced[:math.prod(shape)]
         if entry.output is None:  # a new tensor, as new_result would give (memory this small is not pooled)
@@ -222,7 +239,7 @@ class AllreducePaths:
             if scale != 1.0:
                 scale_in_place(output.numpy().reshape(-1), scale)
         elif response.reduce_op == pb.AVERAGE or response.postscale_factor != 1.0:
-            self._postscale(output.view(-1), response, size)
+            postscale(output.view(-1), response, size)
         self._complete(entry, output)
 
     def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response, group: SetComm, device,
@@ -243,7 +260,7 @@ class AllreducePaths:
             else:
                 transport.allreduce(array, reduction, scale=scale, algorithm=algorithm, source=device.array(source))
         if scale is None:
-            self._postscale(flat, response, group.size)
+            postscale(flat, response, group.size)
 
     def _algorithm_for(self, array, size: int, reduction: str) -> str:
         """The configured algorithm, or with the autotuner's crossover the one "auto" picks under it."""
@@ -252,15 +269,6 @@ class AllreducePaths:
             return self.algorithm
         return ops.choose_algorithm(array.nbytes, size, array.dtype, reduction, tuner.ring_scale)
 
-    @staticmethod
-    def _postscale(flat: torch.Tensor, response: pb.Response, size: int) -> None:
-        """Average divides by the number of ranks that reduced (the set's size); integers
-        truncate toward zero, as Horovod's integer Average does."""
-        if response.reduce_op == pb.AVERAGE and not flat.dtype.is_floating_point and response.postscale_factor == 1.0:
-            flat.div_(size, rounding_mode="trunc")  # exact, also for int64 beyond 2**53
-        else:
-            _scale_(flat, result_scale(response, size))
-
     def _fusion_buffer(self, dtype: torch.dtype, count: int, device) -> torch.Tensor:
         key = (dtype, device.kind)
         buffer = self._fusion.get(key)
@@ -268,6 +276,15 @@ class AllreducePaths:
             buffer = device.empty(max(count, 1024), dtype)
             self._fusion[key] = buffer
         return buffer[:count]
+
+
+def postscale(flat: torch.Tensor, response: pb.Response, size: int) -> None:
+    """Scale a reduced ``flat`` in place: Average divides by the number of ranks that reduced
+    (the set's size); integers truncate toward zero, as Horovod's integer Average does."""
+    if response.reduce_op == pb.AVERAGE and not flat.dtype.is_floating_point and response.postscale_factor == 1.0:
+        flat.div_(size, rounding_mode="trunc")  # exact, also for int64 beyond 2**53
+    else:
+        _scale_(flat, result_scale(response, size))
 
 
 def result_scale(response: pb.Response, size: int) -> float:
@@ -287,6 +304,8 @@ def _scale_(flat: torch.Tensor, factor: float) -> None:
         flat.mul_(factor)
     else:
         flat.copy_(flat.to(torch.float64).mul_(factor))
+
+
 def _flat_tensors(entries) -> list:
     """The entries' tensors, 1-D (torch's reshape costs about 1 us a call: only where needed)."""
     return [entry.tensor if entry.tensor.dim() == 1 else entry.tensor.reshape(-1) for entry in entries]
@@ -319,6 +338,8 @@ def _copy_out(entries, buffer: torch.Tensor, sizes, shapes, dtype: torch.dtype) 
             entry.output.reshape(-1).copy_(part)
             done.append((entry, entry.output))
     return done
+
+
 def _identity(reduce_op: int, dtype: torch.dtype):
     """The value a joined rank contributes so that it changes no result."""
     if reduce_op == pb.PRODUCT:
@@ -330,6 +351,7 @@ def _identity(reduce_op: int, dtype: torch.dtype):
             return reduce_op == pb.MIN
         return info.max if reduce_op == pb.MIN else info.min
     return 0
+
 
 @functools.lru_cache(maxsize=None)
 def _ring_codec(compression: str):

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 import torch
 
-from ringmaster.ops.transport import HostTransport, Transport
+from ringmaster.ops.transport import Transport
 from ringmaster.worker.runtime import hierarchy
 from ringmaster.worker.runtime.hierarchy import Hierarchy
 from ringmaster.worker.runtime.tensors import byte_array, flat_array
@@ -70,17 +70,6 @@ def _tensors_in(value):
             yield from _tensors_in(item)
 
 
-def _host_transport(comm, segment_bytes: int, hosts: Optional[Hierarchy]) -> HostTransport:
-    """The host transport of ``comm``; with ``hosts``, its big allreduces go through the hosts."""
-    if hosts is None:
-        return HostTransport(comm, segment_bytes)
-    size = comm.Get_size()
-    return HostTransport(
-        comm, segment_bytes,
-        hierarchical=lambda array, op, scale, segment: hosts.allreduce(array, op, scale=scale, segment_bytes=segment),
-        through_hosts=lambda array, op, algorithm: hierarchy.use_for(algorithm, array, size, op))
-
-
 class HostDevice:
     """CPU tensors: zero-copy NumPy views, the host collectives, nothing to wait on."""
 
@@ -90,7 +79,7 @@ class HostDevice:
     def __init__(self, segment_bytes: int, results=None):
         self._segment_bytes = segment_bytes
         self.results = results  # the executor's ResultPool (or None)
-        self._transports: Dict[int, HostTransport] = {}
+        self._transports: Dict[int, Transport] = {}
         #: Communicators (by id) whose big allreduces go through the hosts, with their Hierarchy.
         self.hierarchies: Dict[int, Hierarchy] = {}
 
@@ -113,12 +102,16 @@ class HostDevice:
         """Memory for an out-of-place result, never memory a caller still holds (invariant 3)."""
         return torch.empty(shape, dtype=dtype) if self.results is None else self.results.empty(shape, dtype)
 
-    def transport(self, group) -> HostTransport:
+    def transport(self, group) -> Transport:
         transport = self._transports.get(id(group.comm))
         if transport is None:
-            transport = self._transports[id(group.comm)] = _host_transport(group.comm, self._segment_bytes,
-                                                                           self.hierarchies.get(id(group.comm)))
+            transport = self._transports[id(group.comm)] = self.open_transport(
+                group.comm, self.hierarchies.get(id(group.comm)))
         return transport
+
+    def open_transport(self, comm, hosts: Optional[Hierarchy] = None) -> Transport:
+        """A transport of ``comm`` of its own (a gradient plan's); with ``hosts``, big allreduces through them."""
+        return hierarchy.host_transport(comm, self._segment_bytes, hosts)
 
     def forget(self, comm) -> None:
         self._transports.pop(id(comm), None)
@@ -202,12 +195,11 @@ class CudaDevice:
             if group.rank == 0:
                 log.warning("GPU transport for %d rank(s): %s (%s)", group.size, choice.name, choice.reason)
             return flat
-        size = group.size
         transport, line = open_hierarchical(
             self.setting, choice, flat, hosts.local, hosts.cross,
             describe=lambda comm: gpu.placement.describe(comm, index),
             open_transport=lambda name, comm: gpu.open_transport(name, comm, self._cupy_stream, index),
-            through_hosts=lambda array, op, algorithm: hierarchy.use_for(algorithm, array, size, op))
+            through_hosts=hierarchy.through_hosts(group.size))
         if group.rank == 0:
             log.warning("%s", line)
         return transport

@@ -80,3 +80,20 @@ class SetComm:
     rank: int                    # this rank's position in the set
     size: int
     ranks: Sequence[int]         # global ranks, sorted (position i holds global rank ranks[i])
+
+
+def take(table: TensorTable, response, name: str, device=None) -> Optional[Entry]:
+    """The entry of ``name`` in ``response``'s set (None: this rank joined); with ``device``,
+    readable on its stream (the background thread's)."""
+    entry = table.take(response.process_set_id, name)
+    if entry is not None and device is not None:
+        device.ready(entry)
+    return entry
+
+
+def complete(entry: Entry, result, device=None) -> None:
+    """Hand ``result`` to ``entry``'s caller (into its non-contiguous target first, if it has one)."""
+    if entry.copy_back is not None:
+        entry.copy_back.copy_(result)
+    entry.handle.set_result(result if entry.returns is None else entry.returns, entry.part,
+                            None if device is None else device.completion())

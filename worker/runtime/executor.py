@@ -29,19 +29,19 @@ import torch
 from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime import timeline
-from ringmaster.worker.runtime.allreduce_paths import OPS_REDUCTION, AllreducePaths, _scale_
+from ringmaster.worker.runtime.allreduce_paths import OPS_REDUCTION, AllreducePaths, _scale_, postscale
 from ringmaster.worker.runtime.device import Devices
-from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable  # noqa: F401 (Entry: re-exported)
+from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable, complete, take  # noqa: F401 (Entry)
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
-from ringmaster.worker.runtime.gradient_plan import overlaps_all
+from ringmaster.worker.runtime.hierarchy import Hierarchy
 from ringmaster.worker.runtime.hierarchy import split as split_hierarchy
+from ringmaster.worker.runtime.plan_buckets import overlaps_all
 from ringmaster.worker.runtime.result_memory import ResultPool
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
 
 log = logging.getLogger("ringmaster.worker")
 
 _STOP = object()
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ class ExecutorSettings:
                    result_pool=config.result_pool, gpu_transport=config.gpu_transport, hierarchical=hierarchical)
 
 
-class Executor(AllreducePaths):
+class Executor:
     """Runs response lists on a background thread.
 
     Args:
@@ -104,13 +104,12 @@ class Executor(AllreducePaths):
         # The sets this rank is a member of, by id; 0 is every rank on the job's communicator.
         self._sets: Dict[int, SetComm] = {0: SetComm(comm, self.rank, self.size, range(self.size))}
         self.table = table
-        self.algorithm = settings.allreduce_algorithm
+        self._allreduces = AllreducePaths(table, settings.allreduce_algorithm)
         self._on_join = on_join
         self._on_join_counted = on_join_counted
         self._on_fatal = on_fatal
         self._queue: "queue.Queue" = queue.Queue()
         self._expected_sequence = 1
-        self._fusion: Dict[tuple, torch.Tensor] = {}  # by (dtype, device)
         # Out-of-place CPU results: in memory the caller released (no fresh pages to fault in), or new.
         self._devices = Devices(self.segment_bytes, ResultPool() if settings.result_pool else None,
                                 settings.gpu_transport)
@@ -119,18 +118,31 @@ class Executor(AllreducePaths):
         # DistributedOptimizer's gradient plans by (process set, request name): their barrier runs them.
         self._plans: Dict[tuple, object] = {}
         self._attached_plans: List[object] = []  # plans given a communicator of their own, to free at the end
+        self._plan_hosts: List[Hierarchy] = []     # their hosts' communicators, to free at the end
         self._stopping = False
         self.cache = None  # the runtime's ResponseCache, told of the responses it may reuse
-        #: The autotuner (RINGMASTER_AUTOTUNE), set by the runtime before start(); see worker/runtime/autotune.py.
-        self.autotune = None
         self._thread = threading.Thread(target=self._run, name="ringmaster-background", daemon=True)
         self._run_response = {
-            pb.ALLREDUCE: self._allreduce, pb.ALLGATHER: self._allgather, pb.BROADCAST: self._broadcast,
+            pb.ALLREDUCE: self._allreduces.run, pb.ALLGATHER: self._allgather, pb.BROADCAST: self._broadcast,
             pb.ALLTOALL: self._alltoall, pb.REDUCESCATTER: self._reducescatter,
             pb.BARRIER: self._barrier, pb.JOIN: self._join, pb.JOIN_COUNTED: self._join_counted,
             pb.PROCESS_SET_ADD: self._add_process_set, pb.PROCESS_SET_REMOVE: self._remove_process_set,
             pb.AUTOTUNE: self._autotune,
         }
+
+    @property
+    def algorithm(self) -> str:
+        """``RINGMASTER_ALLREDUCE_ALGORITHM``: ``auto``, ``ring`` or ``mpi``."""
+        return self._allreduces.algorithm
+
+    @property
+    def autotune(self):
+        """The autotuner (RINGMASTER_AUTOTUNE), set by the runtime before start(); see worker/runtime/autotune.py."""
+        return self._allreduces.autotune
+
+    @autotune.setter
+    def autotune(self, tuner) -> None:
+        self._allreduces.autotune = tuner
 
     @property
     def results(self) -> Optional[ResultPool]:
@@ -193,9 +205,10 @@ class Executor(AllreducePaths):
         """Free the process sets' and gradient plans' communicators (after :meth:`stop` returned True)."""
         for plan in self._attached_plans:
             plan.comm.Free()
-            if plan.hierarchy is not None:
-                plan.hierarchy.free()
+        for hosts in self._plan_hosts:
+            hosts.free()
         self._attached_plans.clear()
+        self._plan_hosts.clear()
         for set_id in [i for i in self._sets if i != 0]:
             self._sets.pop(set_id).comm.Free()
 
@@ -229,7 +242,7 @@ class Executor(AllreducePaths):
         """
         try:
             if reduced is not None:
-                self._allreduce_reduced(response, self.size, reduced)
+                self._allreduces.run_reduced(response, self.size, reduced)
             else:
                 self._execute(response)
             return True
@@ -269,17 +282,9 @@ class Executor(AllreducePaths):
 
     def _take(self, response: pb.Response, name: str, device=None) -> Optional[Entry]:
         """The entry of ``name`` (None: this rank joined); with ``device``, readable on its stream."""
-        entry = self.table.take(response.process_set_id, name)
-        if entry is not None and device is not None:
-            device.ready(entry)
-        return entry
+        return take(self.table, response, name, device)
 
-    @staticmethod
-    def _complete(entry: Entry, result, device=None) -> None:
-        if entry.copy_back is not None:
-            entry.copy_back.copy_(result)
-        entry.handle.set_result(result if entry.returns is None else entry.returns, entry.part,
-                                None if device is None else device.completion())
+    _complete = staticmethod(complete)
 
     # --------------------------------------------------------- data movement
     def _allgather(self, response: pb.Response, group: SetComm, device) -> None:
@@ -326,7 +331,7 @@ class Executor(AllreducePaths):
         result = device.empty((rows[group.rank] * row_count,), wire_dtype)
         device.transport(group).reducescatter(device.array(work), device.array(result),
                                               OPS_REDUCTION[response.reduce_op], [r * row_count for r in rows])
-        self._postscale(result, response, group.size)
+        postscale(result, response, group.size)
         self._complete(entry, result.reshape(rows[group.rank], *tensor.shape[1:]).to(tensor.dtype), device)
 
     # ------------------------------------------------------------- control
@@ -340,14 +345,14 @@ class Executor(AllreducePaths):
             # this is where it can get a communicator of its own (a collective call). Its
             # later steps go over that communicator without negotiation (GradientPlan.finish).
             plan_comm = group.comm.Dup()
-            plan.attach(plan_comm, self.algorithm, self.segment_bytes, lambda: self._stopping,
-                        self._on_fatal, lambda: _lower_this_threads_priority(self.nice),
-                        overlap_all=overlaps_all(self._plan_overlap, self._local_size),
-                        hierarchy=split_hierarchy(plan_comm) if self._hierarchical and not response.process_set_id
-                        else None)
+            hosts = split_hierarchy(plan_comm) if self._hierarchical and not response.process_set_id else None
+            if hosts is not None:
+                self._plan_hosts.append(hosts)
+            plan.attach(plan_comm, self._devices.host.open_transport(plan_comm, hosts), self.algorithm,
+                        lambda: self._stopping, self._on_fatal, lambda: _lower_this_threads_priority(self.nice),
+                        overlap_all=overlaps_all(self._plan_overlap, self._local_size))
             self._attached_plans.append(plan)
-            plan.run(plan.comm, joined=joined, algorithm=self.algorithm,
-                     segment_bytes=self.segment_bytes, stopping=lambda: self._stopping)
+            plan.run(joined=joined)
             if joined:  # the others' next steps open with a header this rank must answer
                 plan.serve_joined()
         if entry is not None:
@@ -391,12 +396,6 @@ class Executor(AllreducePaths):
         entry = self._take(response, response.names[0])
         if entry is not None:
             self._complete(entry, True)
-
-
-
-
-
-
 
 
 def _in_set(response: pb.Response) -> str:

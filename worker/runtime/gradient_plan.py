@@ -4,8 +4,9 @@ The first step of a ``DistributedOptimizer`` negotiates every gradient with the
 coordinator, which checks names, shapes and dtypes across ranks. If on every rank that step
 showed the steady shape of plain data-parallel training (every gradient produced by one
 backward pass, dense, on the CPU, reduced in its own dtype, no compression or groups), the
-optimizer switches to a :class:`GradientPlan`: the gradients are cut once into buckets, in
-the order backward produces them (the reverse of the parameter order).
+optimizer (``worker/frontend/plan_driver.py``) switches to a :class:`GradientPlan`: the
+gradients are cut once into buckets, in the order backward produces them (the reverse of the
+parameter order).
 
 The plan's first run is negotiated: ``step()``/``synchronize()`` sends one barrier-type
 request, which the coordinator orders among all other collectives like any other. The
@@ -17,9 +18,9 @@ the plan a communicator of its own (:meth:`GradientPlan.attach`).
 
 Later steps are not negotiated at all. Buckets start as their gradients become ready: on
 the plan's thread, or, where the backward pass keeps every core busy, only the small ones at
-the head of the order, from the hooks themselves (:func:`overlaps_all`); ``step()`` reduces
+the head of the order, from the hooks themselves (``plan_buckets.overlaps_all``); ``step()`` reduces
 on the training thread whatever has not started (:meth:`GradientPlan.finish`), in the
-order :func:`reduction_order` fixes. The buckets go over the plan's communicator, where
+order ``plan_buckets.reduction_order`` fixes. The buckets go over the plan's communicator, where
 nothing else travels and every rank runs the same buckets in the same order (invariant 1
 holds per communicator). A request to the coordinator per step cost
 each rank about 1 ms of CPU on cores the backward pass keeps busy (docs/benchmarks.md).
@@ -40,17 +41,19 @@ plan and hands it gradients, but its code runs where the runtime's collectives r
 background thread (:meth:`GradientPlan.run`, :meth:`GradientPlan.attach`), on the plan's own
 thread, and, for the buckets not started yet, in ``step()`` under the same ordering rules —
 and the executor imports it; it imports nothing of the frontend.
+
+Who reduces the buckets of a step is the plan's :class:`Phase`, moved only along
+``_MOVES`` (as ``cache_protocol.Phase`` does for the response cache); ``plan_buckets.py``
+cuts the buckets and fixes their order.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
+import enum
 import queue
 import threading
 import time
-from collections import Counter
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -61,14 +64,9 @@ from ringmaster import ops
 from ringmaster.ops.waiting import eagerly, wait
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.errors import RingmasterError
-from ringmaster.worker.runtime.hierarchy import use_for as use_hierarchy
+from ringmaster.worker.runtime.plan_buckets import Bucket, make_buckets, plan_name, reduction_order
 from ringmaster.worker.runtime.tensors import flat_array
 
-#: Gradients of at least this many bytes are reduced where they lie, each on its own
-#: (as the executor does with big tensors); smaller neighbours share a fused bucket.
-ALONE_MIN_BYTES = 1 << 20
-#: Largest fused bucket of small gradients.
-FUSED_BUCKET_BYTES = 4 << 20
 #: How often a wait for gradients checks whether the runtime is stopping.
 _WAIT_SLICE_S = 0.5
 #: What the plan's thread is asked to do (its queue also carries None: end the thread).
@@ -76,58 +74,37 @@ _RUN_STEP = "run step"
 _SERVE_JOINED = "serve joined"
 
 
-def overlaps_all(setting: str, local_size: int) -> bool:
-    """Whether a plan starts every bucket during backward (else only small ones), for ``Config.plan_overlap``.
+class Phase(enum.Enum):
+    """Who reduces the buckets of the plan's current step (the moves are in ``_MOVES``)."""
 
-    "auto" answers yes when every rank on this host has a core beyond its torch threads:
-    a bucket's allreduce needs the CPU (copies and sums), and where the backward pass
-    already uses every core, running it then slows backward by more than it saves
-    (measured in docs/benchmarks.md); after backward the cores are free for it.
-    """
-    if setting != "auto":
-        return setting == "all"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return cores >= local_size * (torch.get_num_threads() + 1)
+    NEGOTIATED = "negotiated"  # no communicator of its own yet: the background thread runs it at its barrier
+    IDLE = "idle"              # attached, no step open yet
+    OPEN = "open"              # the step's gradients arrive; no bucket starts until run_ahead says who starts them
+    THREAD = "plan thread"     # the plan's thread reduces buckets as they become ready (overlap_all)
+    HOOKS = "hooks"            # the hooks start the small buckets that lead the order
+    CALLER = "caller"          # step()/synchronize() reduces the rest on its own thread
+    JOINED = "joined"          # this rank joined: the plan's thread adds zeros to the others' steps
+    FAILED = "failed"          # a bucket failed: every wait raises the plan's error
+    CLOSED = "closed"          # the runtime stops: the plan's thread ends after its current bucket
 
 
-def reduction_order(deferred: Sequence[bool], overlap_all: bool) -> List[int]:
-    """The order in which every member reduces a plan's buckets, step after step (after its first run).
-
-    With ``overlap_all`` buckets run as backward produces them: in bucket order. Otherwise
-    the hooks start the small buckets that lead that order (those ``deferred``: started
-    now, collected at the end of the step) during backward, and ``step()`` reduces the rest
-    once backward has ended, last produced first: those are still in the cache, where the
-    big gradients produced early in backward are not. In a probe of the CNN of
-    ``bench/train.py`` (7 alternating runs) this took a median 0.8 ms off a 110-130 ms step
-    (docs/benchmarks.md). The hooks start whichever small bucket is next in this order once
-    its gradients are all here, so a small bucket that comes last in backward, now first
-    after the leading ones, starts from the last hook.
-    """
-    order = list(range(len(deferred)))
-    if overlap_all:
-        return order
-    leading = 0
-    while leading < len(deferred) and deferred[leading]:
-        leading += 1
-    return order[:leading] + order[leading:][::-1]
-
-
-class _Bucket:
-    """Gradients reduced by one allreduce: one big gradient, or several small ones fused."""
-
-    def __init__(self, indices: List[int], sizes: List[int], dtype: torch.dtype, fused: bool):
-        self.indices = indices
-        self.sizes = sizes
-        self.dtype = dtype
-        self.fused = fused
-        self.buffer: Optional[torch.Tensor] = None  # a fused bucket's, from the plan's first run on
-
-    def allocate(self) -> None:
-        if self.fused and self.buffer is None:
-            self.buffer = torch.empty(sum(self.sizes), dtype=self.dtype)
+#: The legal moves of a plan's phase. FAILED and CLOSED are final: the moves of the steps
+#: that still come (the optimizer's hooks, step()) leave them as they are.
+_MOVES = {
+    Phase.NEGOTIATED: {Phase.IDLE},
+    Phase.IDLE: {Phase.OPEN, Phase.JOINED},
+    Phase.OPEN: {Phase.OPEN, Phase.THREAD, Phase.HOOKS, Phase.CALLER, Phase.JOINED},  # OPEN: a step abandoned
+    Phase.THREAD: {Phase.CALLER, Phase.OPEN, Phase.JOINED},
+    Phase.HOOKS: {Phase.CALLER, Phase.OPEN, Phase.JOINED},
+    Phase.CALLER: {Phase.OPEN, Phase.JOINED},
+    Phase.JOINED: {Phase.IDLE},
+    Phase.FAILED: set(),
+    Phase.CLOSED: set(),
+}
+_LIVE = {Phase.NEGOTIATED, Phase.IDLE, Phase.OPEN, Phase.THREAD, Phase.HOOKS, Phase.CALLER, Phase.JOINED}
+for _phase in _LIVE:  # any live phase can fail or close
+    _MOVES[_phase] |= {Phase.FAILED, Phase.CLOSED}
+_MOVES[Phase.FAILED] = {Phase.CLOSED}
 
 
 class GradientPlan:
@@ -150,18 +127,21 @@ class GradientPlan:
         self.prescale = prescale
         self.postscale = postscale
         self.index = {p: i for i, p in enumerate(self.parameters)}
-        self.buckets = _make_buckets(self.parameters)
+        self.buckets = make_buckets(self.parameters)
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.indices}
-        self.request_name = "DistributedOptimizer.plan." + _numbered(_signature(self.parameters, self.names))
+        self.request_name = plan_name(self.parameters, self.names)
         self._condition = threading.Condition()
         self._gradients: List[Optional[torch.Tensor]] = [None] * len(self.parameters)
         self._ready = [False] * len(self.parameters)
         self._missing = [len(bucket.indices) for bucket in self.buckets]
-        #: The plan's own communicator, from its first run on (see :meth:`attach`).
+        self._phase = Phase.NEGOTIATED
+        #: The plan's own communicator and its transport (through the hosts where the job's big
+        #: allreduces go that way), from its first run on (see :meth:`attach`).
         self.comm = None
-        self.hierarchy = None  # its hosts' communicators, with RINGMASTER_HIERARCHICAL_ALLREDUCE
+        self.transport = None
         self.overlap_all = True
-        self._run_settings = None                     # (algorithm, segment_bytes, stopping)
+        self._algorithm = "auto"
+        self._stopping: Callable[[], bool] = lambda: False
         self._steps: "queue.Queue" = queue.Queue()  # _RUN_STEP, _SERVE_JOINED, or None: end the thread
         self._thread: Optional[threading.Thread] = None
         # Which thread reduces which bucket (see run_ahead/finish): buckets run one at a time,
@@ -170,9 +150,7 @@ class GradientPlan:
         self._order = list(range(len(self.buckets)))  # see attach and reduction_order
         self._position = 0
         self._bucket_running = False
-        self._caller_took_over = False
-        self._hooks_start_buckets = False
-        self._error: Optional[BaseException] = None
+        self._error: Optional[BaseException] = None  # what failed the plan (Phase.FAILED)
         self._header_request = None  # this step's header (see _open_step)
         self._header_count = None
         self._deferred: List[bool] = []  # per bucket: started, then collected at the end of the step
@@ -180,9 +158,23 @@ class GradientPlan:
         self._reduced: List[int] = []    # buckets of this step whose gradients are final, not handed out yet
         # For the coordinator's stall report (wait_state): when the running allreduce began.
         self._communicating_since: Optional[float] = None
-        self._serving_joined = False
         self._joined_done = threading.Event()
         self._joined_done.set()
+
+    @property
+    def phase(self) -> Phase:
+        """Who reduces the buckets of the current step (see :class:`Phase`)."""
+        return self._phase
+
+    def _move(self, phase: Phase) -> bool:
+        """Enter ``phase`` (with the condition held); False where the plan failed or closed and stays so."""
+        if phase not in _MOVES[self._phase]:
+            if self._phase in (Phase.FAILED, Phase.CLOSED):
+                return False
+            raise RingmasterError(f"internal error: gradient plan {self.request_name} cannot go from "
+                                  f"{self._phase.value} to {phase.value}")
+        self._phase = phase
+        return True
 
     # -------------------------------------------------------- user's thread
     def runs_ahead(self) -> bool:
@@ -197,9 +189,9 @@ class GradientPlan:
             self._missing = [len(bucket.indices) for bucket in self.buckets]
             self._position = 0
             self._bucket_running = False
-            self._caller_took_over = False
-            self._hooks_start_buckets = False  # set by run_ahead (not in the plan's first run)
             self._reduced = []
+            if self._phase is not Phase.NEGOTIATED:  # (the first run's step is the background thread's)
+                self._move(Phase.OPEN)
 
     def run_ahead(self) -> None:
         """Open this step with its header, and have its buckets start as they become ready.
@@ -210,11 +202,10 @@ class GradientPlan:
         backward pass less than waking a thread. :meth:`finish` takes over the rest.
         """
         self._open_step()
-        if self.overlap_all:
+        with self._condition:
+            moved = self._move(Phase.THREAD if self.overlap_all else Phase.HOOKS)
+        if moved and self.overlap_all:
             self._steps.put(_RUN_STEP)
-        else:
-            with self._condition:
-                self._hooks_start_buckets = True
 
     def finish(self, failed: Callable[[], Optional[BaseException]],
                on_reduced: Optional[Callable[[List[int]], None]] = None) -> None:
@@ -228,9 +219,8 @@ class GradientPlan:
         gradients (parameters ``indices``) are final, whoever reduced it, before this
         returns: while the plan's thread may still reduce the next one.
         """
-        algorithm, segment_bytes, stopping = self._run_settings
         with self._condition:
-            self._caller_took_over = True
+            self._move(Phase.CALLER)
         # The caller has nothing else to do until the step's gradients are reduced.
         with eagerly():
             while True:
@@ -247,7 +237,7 @@ class GradientPlan:
                     if self._position >= len(self._order):
                         break
                     number = self._claim_bucket()
-                self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
+                self._reduce_bucket_releasing(number)
             self._close_step()
         if on_reduced is not None:
             self._hand_out_reduced(on_reduced)
@@ -268,22 +258,21 @@ class GradientPlan:
             self._missing[bucket] -= 1
             if self._missing[bucket] == 0:
                 self._condition.notify_all()
-            start_here = self._missing[bucket] == 0 and self._hooks_start_buckets
+            start_here = self._missing[bucket] == 0 and self._phase is Phase.HOOKS
         if start_here:
             self._start_ready_small_buckets()
 
     def _start_ready_small_buckets(self) -> None:
         """On the hook's thread: start the small buckets at the head of the order whose gradients are all here."""
-        algorithm, segment_bytes, stopping = self._run_settings
         while True:
             with self._condition:
-                if self._caller_took_over or self._bucket_running or self._position >= len(self._order):
+                if self._phase is not Phase.HOOKS or self._bucket_running or self._position >= len(self._order):
                     return
                 number = self._order[self._position]
                 if not self._deferred[number] or self._missing[number] > 0:
                     return
                 self._claim_bucket()
-            self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
+            self._reduce_bucket_releasing(number)
 
     def is_ready(self, index: int) -> bool:
         with self._condition:
@@ -295,28 +284,30 @@ class GradientPlan:
             return not any(self._missing)
 
     # --------------------------------------------------- background thread
-    def attach(self, comm, algorithm: str, segment_bytes: int, stopping: Callable[[], bool],
+    def attach(self, comm, transport, algorithm: str, stopping: Callable[[], bool],
                on_fatal: Callable[[BaseException], None], prepare_thread: Callable[[], None],
-               overlap_all: bool = True, hierarchy=None) -> None:
+               overlap_all: bool = True) -> None:
         """Give the plan its own communicator and start the thread that runs it ahead.
 
         Called on the background thread at the plan's first run, where every member of the
         process set is at the same place in the collective order (``comm`` was just
         duplicated there). ``prepare_thread`` runs first on the new thread (its priority).
         The thread reduces buckets during backward only with ``overlap_all`` (see
-        :func:`overlaps_all`); otherwise the hooks start the small buckets that lead the order
-        (:meth:`mark_ready`) and ``step()`` runs the rest. ``hierarchy``: ``comm``'s
-        communicators of the hosts (``RINGMASTER_HIERARCHICAL_ALLREDUCE``): big buckets go
-        through them.
+        ``plan_buckets.overlaps_all``); otherwise the hooks start the small buckets that lead the order
+        (:meth:`mark_ready`) and ``step()`` runs the rest. ``transport``: ``comm``'s host
+        transport, as the executor's device opens it (``worker/runtime/device.py``: its big
+        allreduces through the hosts with ``RINGMASTER_HIERARCHICAL_ALLREDUCE``).
         """
         self.comm = comm
-        self.hierarchy = hierarchy
+        self.transport = transport
         self.overlap_all = overlap_all
-        self._run_settings = (algorithm, segment_bytes, stopping)
+        self._algorithm, self._stopping = algorithm, stopping
         for bucket in self.buckets:
             bucket.allocate()
         self._deferred = [self._can_defer(bucket, algorithm) for bucket in self.buckets]
         self._order = reduction_order(self._deferred, overlap_all)
+        with self._condition:
+            self._move(Phase.IDLE)
 
         def serve():
             prepare_thread()
@@ -335,6 +326,7 @@ class GradientPlan:
                         f"DistributedOptimizer's gradients failed: {type(error).__name__}: {error}")
                     with self._condition:
                         self._error = failure
+                        self._move(Phase.FAILED)
                         self._condition.notify_all()
                     self._joined_done.set()
                     on_fatal(failure)
@@ -348,7 +340,7 @@ class GradientPlan:
         if self._thread is None:
             return True
         with self._condition:
-            self._caller_took_over = True
+            self._move(Phase.CLOSED)
             self._condition.notify_all()
         self._steps.put(None)
         self._thread.join(timeout_s)
@@ -357,17 +349,16 @@ class GradientPlan:
     def _run_ready_buckets(self) -> None:
         """The plan's thread (with ``overlap_all``): reduce buckets in order as they become ready, until the caller
         takes over."""
-        algorithm, segment_bytes, stopping = self._run_settings
         while True:
             with self._condition:
                 while True:
-                    if self._caller_took_over or self._position >= len(self._order) or stopping():
+                    if self._phase is not Phase.THREAD or self._position >= len(self._order) or self._stopping():
                         return
                     if self._missing[self._order[self._position]] == 0:
                         break
                     self._condition.wait(_WAIT_SLICE_S)
                 number = self._claim_bucket()
-            self._reduce_bucket_releasing(number, algorithm, segment_bytes, stopping)
+            self._reduce_bucket_releasing(number)
 
     def _claim_bucket(self) -> int:
         """Take the next bucket (with the condition held and no bucket running)."""
@@ -376,15 +367,14 @@ class GradientPlan:
         self._bucket_running = True
         return number
 
-    def _reduce_bucket_releasing(self, number: int, algorithm: str, segment_bytes: int,
-                                 stopping: Callable[[], bool]) -> None:
+    def _reduce_bucket_releasing(self, number: int) -> None:
         try:
-            gradients = self._take(number, stopping)
+            gradients = self._take(number)
             if self._deferred[number]:
                 self._start_deferred(number, gradients)
             else:
                 with self._communicating():
-                    self._reduce_bucket(number, self.comm, gradients, algorithm, segment_bytes)
+                    self._reduce_bucket(number, gradients)
                 with self._condition:
                     self._reduced.append(number)
         finally:
@@ -400,9 +390,8 @@ class GradientPlan:
         this rank had joined before the plan's first run. Idempotent until that ends.
         """
         with self._condition:
-            if self._serving_joined or self.comm is None:
+            if self._phase in (Phase.NEGOTIATED, Phase.JOINED) or not self._move(Phase.JOINED):
                 return
-            self._serving_joined = True
             self._joined_done.clear()
         self._steps.put(_SERVE_JOINED)
 
@@ -416,15 +405,14 @@ class GradientPlan:
             raise self._error
 
     def _serve_joined(self) -> None:
-        algorithm, segment_bytes, _ = self._run_settings
         try:
             while self._header(live=False) > 0:
                 for number in self._order:
                     with self._communicating():
-                        self._reduce_bucket(number, self.comm, None, algorithm, segment_bytes)
+                        self._reduce_bucket(number, None)
         finally:
             with self._condition:
-                self._serving_joined = False
+                self._move(Phase.IDLE)
             self._joined_done.set()
 
     def wait_state(self) -> Tuple[float, bool]:
@@ -433,7 +421,7 @@ class GradientPlan:
         A joined rank's waits are not counted: it waits for the others by design.
         """
         with self._condition:
-            since, joined = self._communicating_since, self._serving_joined
+            since, joined = self._communicating_since, self._phase is Phase.JOINED
         if joined or since is None:
             return 0.0, joined
         return time.monotonic() - since, False
@@ -463,7 +451,7 @@ class GradientPlan:
                     self._reduced.append(number)
 
     # -------------------------------------------------------- deferred buckets
-    def _can_defer(self, bucket: _Bucket, algorithm: str) -> bool:
+    def _can_defer(self, bucket: Bucket, algorithm: str) -> bool:
         """Whether a bucket is small enough to start now and collect at the end of the step.
 
         Such a bucket is one MPI_Iallreduce whichever way it runs (a joined rank's zeros
@@ -505,25 +493,23 @@ class GradientPlan:
                 self._communicating_since = None
 
     # ------------------------------------------------------------ first run
-    def run(self, comm, joined: bool, algorithm: str, segment_bytes: int,
-            stopping: Callable[[], bool]) -> None:
-        """Allreduce every bucket in order over ``comm``: the plan's first run, on the background thread.
+    def run(self, joined: bool) -> None:
+        """Allreduce every bucket in order over the plan's communicator (just attached): the plan's
+        first run, on the background thread.
 
         It runs at the plan's place in the collective order; a rank that has joined adds zeros.
         """
         for number in range(len(self.buckets)):
-            self._reduce_bucket(number, comm, None if joined else self._take(number, stopping),
-                                algorithm, segment_bytes)
+            self._reduce_bucket(number, None if joined else self._take(number))
 
-    def _reduce_bucket(self, number: int, comm, gradients: Optional[List[torch.Tensor]], algorithm: str,
-                       segment_bytes: int) -> None:
+    def _reduce_bucket(self, number: int, gradients: Optional[List[torch.Tensor]]) -> None:
         """Allreduce one bucket of this step's ``gradients`` (None: a joined rank's zeros)."""
         bucket = self.buckets[number]
         scale = None if self.postscale == 1.0 else self.postscale
         if gradients is None:  # this rank has no data left: it adds zeros
             work = torch.zeros(sum(bucket.sizes), dtype=self.parameters[bucket.indices[0]].dtype)
             # The same scale as the others: the rank finishing a chunk scales it for everyone.
-            self._allreduce(comm, flat_array(work), algorithm, scale, segment_bytes)
+            self.transport.allreduce(flat_array(work), "sum", scale=scale, algorithm=self._algorithm)
             return
         timeline.switch([self.names[i] for i in bucket.indices], "ALLREDUCE")
         if bucket.fused:
@@ -533,17 +519,10 @@ class GradientPlan:
             work = gradients[0] if gradients[0].is_contiguous() else gradients[0].contiguous()
         if self.prescale != 1.0:
             work.mul_(self.prescale)
-        self._allreduce(comm, flat_array(work), algorithm, scale, segment_bytes)
+        # Through the hosts where the transport is hierarchical and the ring would run: the
+        # same decision on every member, joined or not.
+        self.transport.allreduce(flat_array(work), "sum", scale=scale, algorithm=self._algorithm)
         self._unpack(number, work, gradients, scaled=True)
-
-    def _allreduce(self, comm, array, algorithm: str, scale, segment_bytes: int) -> None:
-        """A bucket's sum over ``comm``: through the hosts where the plan has them and the ring
-        would run (the same decision on every member, joined or not), else ``ops.allreduce``."""
-        if (comm is self.comm and self.hierarchy is not None
-                and use_hierarchy(algorithm, array, comm.Get_size(), "sum")):
-            self.hierarchy.allreduce(array, "sum", scale=scale, segment_bytes=segment_bytes)
-        else:
-            ops.allreduce(comm, array, "sum", algorithm, scale=scale, segment_bytes=segment_bytes)
 
     def _unpack(self, number: int, work: torch.Tensor, gradients: List[torch.Tensor], scaled: bool = False) -> None:
         """Put bucket ``number``'s reduced ``work`` into its gradients (after the postscale, unless ``scaled``)."""
@@ -557,11 +536,11 @@ class GradientPlan:
             gradients[0].copy_(work)
         timeline.end([self.names[i] for i in bucket.indices])
 
-    def _take(self, number: int, stopping: Callable[[], bool]) -> List[torch.Tensor]:
+    def _take(self, number: int) -> List[torch.Tensor]:
         """Bucket ``number``'s gradients, once all are handed over."""
         with self._condition:
             while self._missing[number] > 0:
-                if stopping():
+                if self._stopping():
                     raise RingmasterError("ringmaster stopped while DistributedOptimizer's step waited for "
                                           "gradients")
                 self._condition.wait(_WAIT_SLICE_S)
@@ -572,52 +551,3 @@ class GradientPlan:
                 gradients.append(self._gradients[i])
                 self._gradients[i] = None
             return gradients
-
-
-def _make_buckets(parameters: Sequence[torch.Tensor]) -> List[_Bucket]:
-    """Big gradients alone; runs of small neighbours of one dtype fused up to FUSED_BUCKET_BYTES."""
-    buckets: List[_Bucket] = []
-    run: List[int] = []
-
-    def close_run():
-        if run:
-            dtype = parameters[run[0]].dtype
-            buckets.append(_Bucket(list(run), [parameters[i].numel() for i in run], dtype, fused=True))
-            run.clear()
-
-    for index, p in enumerate(parameters):
-        nbytes = p.numel() * p.element_size()
-        if nbytes >= ALONE_MIN_BYTES:
-            close_run()
-            buckets.append(_Bucket([index], [p.numel()], p.dtype, fused=False))
-            continue
-        if run and (parameters[run[0]].dtype != p.dtype or
-                    sum(parameters[i].numel() * parameters[i].element_size() for i in run) + nbytes
-                    > FUSED_BUCKET_BYTES):
-            close_run()
-        run.append(index)
-    close_run()
-    return buckets
-
-
-#: How many plans of each signature this process has made: two optimizers over parameters of
-#: the same names, shapes and dtypes (two copies of a model) each need a plan of their own.
-_made: Counter = Counter()
-_made_lock = threading.Lock()
-
-
-def _numbered(signature: str) -> str:
-    """``signature``, then ``.N`` for the N-th plan of it made before this one. Every rank makes
-    its plans in the same order (each plan's vote is a collective), so they agree on N."""
-    with _made_lock:
-        earlier = _made[signature]
-        _made[signature] += 1
-    return f"{signature}.{earlier}" if earlier else signature
-
-
-def _signature(parameters: Sequence[torch.Tensor], names: Sequence[str]) -> str:
-    """A short name for the plan, equal on ranks with equal parameter names, shapes and dtypes."""
-    digest = hashlib.sha1()
-    for p, name in zip(parameters, names):
-        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-    return digest.hexdigest()[:16]
