@@ -35,6 +35,7 @@ from ringmaster.proto import ringmaster_pb2 as pb
 
 if TYPE_CHECKING:
     from ringmaster.coordinator.generation import Generation
+    from ringmaster.coordinator.host_liveness import HostLiveness
     from ringmaster.coordinator.sessions import RankSession
 
 log = logging.getLogger("ringmaster.coordinator")
@@ -64,10 +65,13 @@ class Verdict(NamedTuple):
 
 
 def check(config: Config, size: int, sessions: Mapping[int, "RankSession"], generation: "Generation",
-          now: float) -> Optional[Verdict]:
-    """One look at a job whose ranks all registered (``sessions``: rank -> its stream)."""
+          now: float, hosts: Optional["HostLiveness"] = None) -> Optional[Verdict]:
+    """One look at a job whose ranks all registered (``sessions``: rank -> its stream; ``hosts``:
+    the host agents' heartbeats, :mod:`.host_liveness`)."""
     host_of = lambda rank: describe_rank(sessions, rank)  # noqa: E731
-    verdict = _silent_rank(config, sessions, now)
+    verdict = hosts.check(config.host_timeout_s, sessions, now, socket.gethostname()) if hosts is not None else None
+    if verdict is None:
+        verdict = _silent_rank(config, sessions, now, hosts)
     if verdict is None and config.cache_stall_s > 0:
         verdict = _stalled_cache(config, size, generation, host_of)
     if verdict is None:
@@ -97,7 +101,8 @@ def describe_rank(sessions: Mapping[int, "RankSession"], rank: int) -> str:
 
 
 # ------------------------------------------------------------------ the checks
-def _silent_rank(config: Config, sessions: Mapping[int, "RankSession"], now: float) -> Optional[Verdict]:
+def _silent_rank(config: Config, sessions: Mapping[int, "RankSession"], now: float,
+                 hosts: Optional["HostLiveness"] = None) -> Optional[Verdict]:
     timeout_s = config.heartbeat_timeout_s
     for session in list(sessions.values()):
         if now - session.last_seen <= timeout_s:
@@ -106,6 +111,9 @@ def _silent_rank(config: Config, sessions: Mapping[int, "RankSession"], now: flo
         if session.silent_since is not None:
             silent_s = now - session.silent_since
         state = process_state(session) if session.pid > 0 else None
+        if state is None and hosts is not None and config.host_timeout_s > 0:
+            # on another host: what its host agent read, while the agent answers
+            state = hosts.state_of(session.hostname, session.pid, config.host_timeout_s)
         limit_s = LIVE_SILENCE_FACTOR * timeout_s
         if state in _LIVE_STATES and silent_s > limit_s:
             return Verdict(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for {silent_s:.0f} s although "
@@ -124,6 +132,8 @@ def _silent_rank(config: Config, sessions: Mapping[int, "RankSession"], now: flo
             session.last_seen = now
             continue
         why = _WHY_SILENT.get(state, "it hangs or its host is unreachable")
+        if state is not None and state != "gone" and session.hostname != socket.gethostname():
+            why += f" (on host {shown(session.hostname)}, whose host agent answers: the rank hangs there)"
         return Verdict(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for {silent_s:.0f} s "
                        f"(RINGMASTER_HEARTBEAT_TIMEOUT_S={timeout_s:g}): {why}", session.rank, session.hostname)
     return None

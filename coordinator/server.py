@@ -37,6 +37,7 @@ from ringmaster.coordinator import health
 from ringmaster.coordinator.generation import Generation
 from ringmaster.coordinator.host_links import HostLink, HostedSession, link_ended, send_to_each, serve_host_stream
 from ringmaster.coordinator.outgoing import response_lists
+from ringmaster.coordinator.host_liveness import HostLiveness
 from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
 from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown, tuning_problem
 from ringmaster.proto import ringmaster_pb2 as pb
@@ -98,6 +99,11 @@ class Coordinator:
         self.on_welcome = None
         self.elastic = elastic
         self._adopt_size = False
+        self._hosts = HostLiveness()
+
+    def host_beat(self, value: str) -> None:
+        """A host agent's heartbeat (:mod:`.host_liveness`)."""
+        self._hosts.beat(value)
 
     @property
     def address(self) -> str:
@@ -314,6 +320,7 @@ class Coordinator:
                 s = self._sessions[rank]
                 welcome.ranks.add(rank=rank, hostname=s.hostname, pid=s.pid)
             self._generation.welcomed = True
+            self._hosts.welcomed_at = time.monotonic()
             self._broadcast(pb.CoordinatorMessage(welcome=welcome))
             if self.on_welcome is not None:
                 self.on_welcome(self.size)
@@ -430,6 +437,7 @@ class Coordinator:
             late, last = now - last - tick, now
             if late > max(1.0, tick):
                 health.excuse_silence(self._sessions, late)
+                self._hosts.excuse(late)
             if not self.finished.is_set():
                 self._check_health()
 
@@ -449,7 +457,7 @@ class Coordinator:
                                 f"--start-timeout); check that every rank was started and can reach "
                                 f"{self.address}{refused}")
             return
-        verdict = health.check(self.config, self.size, self._sessions, self._generation, now)
+        verdict = health.check(self.config, self.size, self._sessions, self._generation, now, self._hosts)
         if verdict is not None:
             self._abort_job(*verdict)
 

@@ -147,13 +147,12 @@ class _ReportingCoordinator(CoordinatorProcess):
     """The job's coordinator, writing what made it abort to ``report_file``."""
 
     def __init__(self, *args, report_file: str, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.report_file = report_file
+        super().__init__(*args, report_file=report_file, **kwargs)
 
     elastic = False
 
     def command(self) -> List[str]:
-        return super().command() + ["--report-file", self.report_file] + (["--elastic"] if self.elastic else [])
+        return super().command() + (["--elastic"] if self.elastic else [])
 
 
 class _GenerationJob(MpiJob):
