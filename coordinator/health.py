@@ -62,6 +62,9 @@ class Verdict(NamedTuple):
     failed_rank: int = -1
     failed_host: str = ""
     stalled_ranks: Sequence[int] = ()
+    #: the failed host is cut off (its agent went silent): MPI will not learn of it, so an
+    #: elastic job re-forms at once instead of trying to shrink in place
+    host_unreachable: bool = False
 
 
 def check(config: Config, size: int, sessions: Mapping[int, "RankSession"], generation: "Generation",

@@ -142,7 +142,7 @@ class HostLiveness:
             return Verdict(pb.RANK_FAILED,
                            f"host {host} is unreachable: {agent} (RINGMASTER_HOST_TIMEOUT_S={timeout_s:g}); the job "
                            f"had {listed} there. Its network link or the host itself failed",
-                           min(ranks)[0], host)
+                           min(ranks)[0], host, host_unreachable=True)
         return None
 
 

@@ -92,7 +92,7 @@ class Coordinator:
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._serve, name="ringmaster-coordinator", daemon=True)
-        #: called as ``on_abort(kind, reason, failed_rank, failed_host)`` when the job is aborted
+        #: called as ``on_abort(kind, reason, failed_rank, failed_host, host_unreachable)`` when the job is aborted
         #: (an elastic ringrun learns from it which host failed: ``--report-file``)
         self.on_abort = None
         #: called as ``on_welcome(size)`` each time every rank of a job (or of a shrunk job) registered
@@ -395,11 +395,11 @@ class Coordinator:
                 return
 
     def _abort_job(self, kind: int, reason: str, failed_rank: int = -1, failed_host: str = "",
-                   stalled_ranks: Sequence[int] = ()) -> None:
+                   stalled_ranks: Sequence[int] = (), host_unreachable: bool = False) -> None:
         """Tell every rank the job cannot go on, then finish."""
         log.error("aborting the job: %s", reason)
         if self.on_abort is not None:
-            self.on_abort(kind, reason, failed_rank, failed_host)
+            self.on_abort(kind, reason, failed_rank, failed_host, host_unreachable)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=failed_rank,
                                                      failed_host=failed_host, stalled_ranks=stalled_ranks))
         sessions = list(self._sessions.values())

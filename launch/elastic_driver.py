@@ -65,6 +65,10 @@ from .processes import die_with_parent
 PREFIX = "ringrun: elastic:"
 #: Seconds mpirun gets to end once its coordinator aborted the generation.
 ABORT_GRACE_S = 3.0
+#: The same after an abort for a host cut off the network (the coordinator's ``host_unreachable``):
+#: the survivors cannot shrink in place and mpirun would wait for the host for ever; the second
+#: lets the survivors' last lines reach the output.
+UNREACHABLE_GRACE_S = 1.0
 SERVICE_MODULE = "ringmaster.launch.elastic_service"
 
 
@@ -352,7 +356,7 @@ class ElasticDriver:
     def _watch_hosts(self, generation: Generation):
         """The tick during a generation: poll discovery, announce changes, end an aborted mpirun."""
         state = {"next_poll": time.monotonic() + self.options.discovery_interval_s, "announced": False,
-                 "abort_seen": None, "offset": 0}
+                 "abort_seen": None, "offset": 0, "grace": 0.0}
         current = {host.name for host in generation.hosts}
 
         # Survivors that cannot shrink leave after the shrink timeout; mpirun then gets the usual grace.
@@ -365,12 +369,15 @@ class ElasticDriver:
                 generation.events.append(event)
                 if event.get("event") == "abort":
                     state["abort_seen"] = now
+                    # a host cut off: MPI will not learn of it, so nobody shrinks in place, and
+                    # mpirun waits for that host for ever: re-form at once (issue 46)
+                    state["grace"] = UNREACHABLE_GRACE_S if event.get("host_unreachable") else grace
                 elif event.get("event") == "welcome" and state["abort_seen"] is not None:
                     state["abort_seen"] = None
                     if not self._shrunk(generation, int(event.get("size", 0)), current):
                         return True  # past --reset-limit: end the job
-            if state["abort_seen"] is not None and now - state["abort_seen"] > grace:
-                self._say(f"mpirun did not end within {grace:g} s of the abort: killing it")
+            if state["abort_seen"] is not None and now - state["abort_seen"] > state["grace"]:
+                self._say(f"mpirun did not end within {state['grace']:g} s of the abort: killing it")
                 state["abort_seen"] = float("inf")
                 return True
             if state["announced"] or now < state["next_poll"] or self.options.discovery.script is None:

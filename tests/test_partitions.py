@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from mpijob import job_environment
 
 from cluster.fixtures import netns_cluster, netns_cluster_factory, start_on, wait_for_no_processes  # noqa: F401, F811
@@ -105,3 +106,49 @@ def test_a_stopped_coordinator_ends_every_rank_saying_so(netns_cluster):  # noqa
     assert "stopped answering" in last_line(output), output
     assert ended_s < HOST_TIMEOUT_S + 2 + GRACE_S + 5, f"ringrun ended {ended_s:.1f} s after the stop\n{output}"
     assert wait_for_no_processes(cluster, timeout=3 * HOST_TIMEOUT_S) == {}
+
+
+ELASTIC_JOB = ROOT / "tests" / "jobs" / "elastic_train.py"
+#: how soon after the cut the job must train again on the reachable hosts (issue 46)
+REFORM_S = 15.0
+
+
+@pytest.mark.timeout(150)
+def test_an_elastic_job_reforms_on_the_reachable_hosts_after_a_cut(netns_cluster_factory, tmp_path):  # noqa: F811
+    """Host 3's link is cut mid-training under ``--min-np 2``, with default timeouts: the job
+    re-forms on hosts 1 and 2 from its last commit within 15 s of the cut and finishes there,
+    its final parameters equal to the one-process replay of its committed steps; nothing of
+    the job is left on any host once the link is back."""
+    sys.path.insert(0, str(ROOT / "tests" / "jobs"))
+    import elastic_train
+
+    cluster = netns_cluster_factory(3)
+    first, _, third = cluster.hosts
+    out = tmp_path / "final.pt"
+    command = [sys.executable, "-m", "ringmaster.launch", "--ssh-identity-file", cluster.key, "--network-interface",
+               cluster.interface, "--start-timeout", "20", "-np", "3", "--min-np", "2", "-H", cluster.hosts_arg(1),
+               sys.executable, str(ELASTIC_JOB), str(out), "--step-sleep", "0.1", "--epochs", "3"]
+    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        job.wait_for_matches(rf"STEP 0 5 rank 2 host {third.name}", count=1, timeout=60)
+        cut_at = time.monotonic()
+        set_link(third, up=False)
+        try:
+            job.wait_for_matches(r"RESET size 2", count=2, timeout=REFORM_S + 25)
+            reformed_s = time.monotonic() - cut_at
+            returncode = job.wait(timeout=60)
+            deadline = cut_at + 2 * HOST_TIMEOUT_S + 15
+            while time.monotonic() < deadline and {
+                    pid for pid, line in third.processes().items() if not line.startswith("sshd: ")}:
+                time.sleep(0.2)
+        finally:
+            set_link(third, up=True)
+    print(f"the job trained again on 2 hosts {reformed_s:.1f} s after the cut")
+    assert returncode == 0, job.output[-4000:]
+    assert re.search(rf"host {re.escape(third.name)} is unreachable", job.output), job.output[-4000:]
+    assert reformed_s < REFORM_S, f"the job re-formed {reformed_s:.1f} s after the cut\n{job.output[-4000:]}"
+    record = torch.load(out, weights_only=False)
+    reference = elastic_train.replay(record["history"], elastic_train.EXAMPLES)
+    worst = max((reference[name] - record["state_dict"][name]).abs().max().item() for name in reference)
+    assert worst < 1e-5, f"final parameters differ from the replay by {worst:g}"
+    assert [size for size, _ in record["history"]][-1] == 2
+    assert wait_for_no_processes(cluster, timeout=20) == {}
