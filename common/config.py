@@ -44,6 +44,7 @@ class Config:
     # its own, so no rank's GIL can block it) sends nothing for this long is unreachable; the
     # figures that chose 8 s are in docs/configuration.md. 0: no host agents.
     host_timeout_s: float = 8.0
+    straggler_report_min: float = 0.0
     start_timeout_s: float = 30.0
     allreduce_algorithm: str = "auto"
     log_level: str = "WARNING"
@@ -237,6 +238,10 @@ SETTINGS: Tuple[Setting, ...] = (
             "declare a host unreachable after S seconds without its host agent's heartbeat (sent every "
             "second); ranks and agents that hear nothing from the coordinator for as long end "
             "themselves (0: no host agents)", metavar="S"),
+    Setting("RINGMASTER_STRAGGLER_REPORT_MIN", "straggler_report_min", _SECONDS_OR_NEVER, "--straggler-report",
+            "log the straggler report (each rank's mean lateness per negotiated collective) every N minutes "
+            "as well as at the end of the job (0: only at the end, and only when a rank stands out)",
+            metavar="N"),
     Setting("RINGMASTER_BACKGROUND_NICE", "background_nice", _number(0, 19, whole=True), "--background-nice",
             "nice value 0-19 of each rank's communication thread (19: it uses the cycles training "
             "leaves; 0: equal priority)", metavar="N"),

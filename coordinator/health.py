@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import socket
 import time
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from ringmaster.common.config import Config
 from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
@@ -31,6 +33,7 @@ from ringmaster.coordinator.cache_stalls import describe_slow as describe_slow_c
 from ringmaster.coordinator.negotiation import Stall
 from ringmaster.coordinator.stall_report import in_set, shutdown_reason, stall_key, warning_lines
 from ringmaster.coordinator.validation import shown
+from ringmaster.coordinator.verdict import Verdict
 from ringmaster.proto import ringmaster_pb2 as pb
 
 if TYPE_CHECKING:
@@ -54,19 +57,6 @@ _EXITED = "its process has exited"
 _WHY_SILENT = {"T": _STOPPED, "t": _STOPPED, "Z": _EXITED, "X": _EXITED, "gone": _EXITED}
 
 
-class Verdict(NamedTuple):
-    """Why the job ends, as the coordinator's abort tells every rank."""
-
-    kind: int
-    reason: str
-    failed_rank: int = -1
-    failed_host: str = ""
-    stalled_ranks: Sequence[int] = ()
-    #: the failed host is cut off (its agent went silent): MPI will not learn of it, so an
-    #: elastic job re-forms at once instead of trying to shrink in place
-    host_unreachable: bool = False
-
-
 def check(config: Config, size: int, sessions: Mapping[int, "RankSession"], generation: "Generation",
           now: float, hosts: Optional["HostLiveness"] = None) -> Optional[Verdict]:
     """One look at a job whose ranks all registered (``sessions``: rank -> its stream; ``hosts``:
@@ -78,8 +68,31 @@ def check(config: Config, size: int, sessions: Mapping[int, "RankSession"], gene
     if verdict is None and config.cache_stall_s > 0:
         verdict = _stalled_cache(config, size, generation, host_of)
     if verdict is None:
-        verdict = _stalls(config, generation, host_of, now)
+        verdict = _stalls(config, generation, host_of, now, lambda ranks: ask_for_stacks(sessions, ranks, hosts))
     return verdict
+
+
+#: Late ranks asked for their stacks at most per stall warning (each prints every thread's stack).
+MAX_STACKS = 4
+
+
+def ask_for_stacks(sessions: Mapping[int, "RankSession"], ranks: Sequence[int],
+                   hosts: Optional["HostLiveness"]) -> None:
+    """Have the late ``ranks`` of a stall warning print their Python stacks (SIGUSR1: the runtime's
+    stack dump) while the job still runs: directly on this host, through the host agent elsewhere."""
+    for rank in list(ranks)[:MAX_STACKS]:
+        session = sessions.get(rank)
+        if session is None or session.pid <= 0:
+            continue
+        if session.hostname == socket.gethostname():
+            try:
+                os.kill(session.pid, signal.SIGUSR1)
+            except (ProcessLookupError, PermissionError):
+                continue
+        elif hosts is None or not hosts.want_stacks(session.hostname, session.pid):
+            continue
+        log.warning("stall: %s was asked for its Python stacks: they follow in its output (its stderr)",
+                    session.describe())
 
 
 def excuse_silence(sessions: Mapping[int, "RankSession"], late_s: float) -> None:
@@ -154,9 +167,13 @@ def _stalled_cache(config: Config, size: int, generation: "Generation", host_of)
     return None
 
 
-def _stalls(config: Config, generation: "Generation", host_of, now: float) -> Optional[Verdict]:
-    for line in warning_lines(_newly_stalled(config, generation, now), host_of):
+def _stalls(config: Config, generation: "Generation", host_of, now: float,
+            on_late=None) -> Optional[Verdict]:
+    newly = _newly_stalled(config, generation, now)
+    for line in warning_lines(newly, host_of):
         log.warning("%s", line)
+    if newly and on_late is not None:
+        on_late(sorted({rank for stall in newly for rank in stall.missing_ranks}))
     plan_stalls, set_ranks = generation.plan_stalls, generation.negotiator.set_ranks
     for stall in plan_stalls.stalls(config.stall_warning_s, set_ranks):
         log.warning("stall: %s", _describe_plan_stall(stall, host_of))

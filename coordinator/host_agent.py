@@ -35,7 +35,7 @@ import grpc
 
 from ringmaster.common.daemon import refuse, run_daemon
 from ringmaster.coordinator.auth import call_metadata
-from ringmaster.coordinator.host_liveness import BEAT_INTERVAL_S, METADATA_KEY, format_beat
+from ringmaster.coordinator.host_liveness import BEAT_INTERVAL_S, METADATA_KEY, STACKS_KEY, format_beat
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
 
@@ -123,6 +123,16 @@ def end_orphans(ranks: Dict[int, int], daemons: List[int], why: str) -> None:
     _signal(daemons, signal.SIGKILL)
 
 
+def print_stacks_of(trailing, ranks: Dict[int, int]) -> None:
+    """Send SIGUSR1 (each rank prints its threads' stacks) to the ranks of this host the
+    coordinator's answer names (:data:`~.host_liveness.STACKS_KEY`); other pids are ignored."""
+    for key, value in trailing or ():
+        if key != STACKS_KEY:
+            continue
+        wanted = {int(pid) for pid in value.split(",") if pid.isdigit()}
+        _signal(sorted(wanted & set(ranks.values())), signal.SIGUSR1)
+
+
 def serve(args: argparse.Namespace, config) -> int:
     """Beat until this host's ranks are gone (0), or end them once the coordinator is lost (1)."""
     try:
@@ -147,8 +157,10 @@ def serve(args: argparse.Namespace, config) -> int:
                 return 0
             beat = format_beat(args.host, os.getpid(), states)
             try:
-                stub.Ping(pb.Empty(), metadata=metadata + ((METADATA_KEY, beat),), timeout=2 * BEAT_INTERVAL_S)
+                _, call = stub.Ping.with_call(pb.Empty(), metadata=metadata + ((METADATA_KEY, beat),),
+                                              timeout=2 * BEAT_INTERVAL_S)
                 last_answer = time.monotonic()
+                print_stacks_of(call.trailing_metadata(), ranks)
             except grpc.RpcError as error:
                 if time.monotonic() - last_answer < BEAT_INTERVAL_S * 3:
                     log.info("the coordinator at %s did not answer a heartbeat: %s %s", args.coordinator,

@@ -22,18 +22,19 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
+from ringmaster.coordinator.verdict import Verdict
 from ringmaster.proto import ringmaster_pb2 as pb
-
-if TYPE_CHECKING:
-    from ringmaster.coordinator.health import Verdict
-    from ringmaster.coordinator.sessions import RankSession
 
 log = logging.getLogger("ringmaster.coordinator")
 
 #: gRPC metadata key of a host agent's ``Ping``: ``"HOST AGENT_PID RANK:PID:STATE,..."``.
 METADATA_KEY = "ringmaster-host-agent"
+#: Trailing metadata key of the coordinator's answer: ``"PID,..."``, ranks of the agent's host
+#: that are to print their Python stacks (the agent sends them SIGUSR1): the late ranks of a
+#: stall warning, while the user can still act on it.
+STACKS_KEY = "ringmaster-print-stacks"
 #: How often an agent beats. One second: a beat is one small unary call per host.
 BEAT_INTERVAL_S = 1.0
 #: Hosts remembered at most (a job has at most one agent per host; a client with the token
@@ -49,6 +50,8 @@ class HostBeat:
     last_seen: float
     #: pid -> process state letter of the host's ranks, as the agent read them
     states: Dict[int, str] = field(default_factory=dict)
+    #: pids whose stacks the coordinator asks for in its next answer
+    stacks_wanted: set = field(default_factory=set)
 
 
 def parse_beat(value: str) -> Optional[Tuple[str, int, Dict[int, str]]]:
@@ -82,20 +85,32 @@ class HostLiveness:
         #: silent since then (a link cut before its agent's first beat)
         self.welcomed_at: Optional[float] = None
 
-    def beat(self, value: str) -> None:
-        """A ``Ping`` carried :data:`METADATA_KEY` with ``value``."""
+    def beat(self, value: str) -> str:
+        """A ``Ping`` carried :data:`METADATA_KEY` with ``value``; returns the :data:`STACKS_KEY`
+        value of the answer ("" when no stack is wanted)."""
         parsed = parse_beat(value)
         if parsed is None:
             self.malformed += 1
             if self.malformed == 1:
                 log.warning("a host agent's heartbeat was malformed (%r...); it is ignored", value[:80])
-            return
+            return ""
         host, agent_pid, states = parsed
-        if host not in self.hosts and len(self.hosts) >= MAX_HOSTS:
-            return
-        if host not in self.hosts:
+        previous = self.hosts.get(host)
+        if previous is None and len(self.hosts) >= MAX_HOSTS:
+            return ""
+        if previous is None:
             log.info("the host agent of %s (pid %d) is heard; ranks there: %s", host, agent_pid, states)
         self.hosts[host] = HostBeat(agent_pid, self._clock(), states)
+        wanted = previous.stacks_wanted if previous is not None else set()
+        return ",".join(str(pid) for pid in sorted(wanted))
+
+    def want_stacks(self, host: str, pid: int) -> bool:
+        """Ask the agent of ``host``, in its next answer, to have ``pid`` print its stacks (False: no agent)."""
+        beat = self.hosts.get(host)
+        if beat is None:
+            return False
+        beat.stacks_wanted.add(pid)
+        return True
 
     def excuse(self, late_s: float) -> None:
         """The coordinator did not run for ``late_s``: the agents' beats of that time may wait unread."""
@@ -116,13 +131,11 @@ class HostLiveness:
         """Stop watching ``host`` (the job no longer has a rank there)."""
         self.hosts.pop(host, None)
 
-    def check(self, timeout_s: float, sessions: Mapping[int, "RankSession"], now: float,
-              own_host: str) -> Optional["Verdict"]:
+    def check(self, timeout_s: float, sessions: Mapping[int, Any], now: float,
+              own_host: str) -> Optional[Verdict]:
         """The verdict on the first host the job needs (other than ``own_host``, the
         coordinator's) whose agent is silent past ``timeout_s``, or was never heard although
-        every rank registered ``timeout_s`` ago."""
-        from ringmaster.coordinator.health import Verdict
-
+        every rank registered ``timeout_s`` ago. ``sessions``: rank -> its ``RankSession``."""
         if timeout_s <= 0:
             return None
         needed: Dict[str, list] = {}
@@ -146,4 +159,4 @@ class HostLiveness:
         return None
 
 
-__all__ = ["BEAT_INTERVAL_S", "HostBeat", "HostLiveness", "METADATA_KEY", "format_beat", "parse_beat"]
+__all__ = ["BEAT_INTERVAL_S", "HostBeat", "HostLiveness", "METADATA_KEY", "STACKS_KEY", "format_beat", "parse_beat"]
