@@ -152,3 +152,32 @@ def test_an_elastic_job_reforms_on_the_reachable_hosts_after_a_cut(netns_cluster
     assert worst < 1e-5, f"final parameters differ from the replay by {worst:g}"
     assert [size for size, _ in record["history"]][-1] == 2
     assert wait_for_no_processes(cluster, timeout=20) == {}
+
+
+@pytest.mark.timeout(90)
+def test_a_straggler_is_named_in_the_report_and_its_stack_in_the_stall_warning(netns_cluster):  # noqa: F811
+    """Rank 1 (host 2) sleeps 30 ms before each of 60 allreduces, and 3 s more before step 40
+    (in ``pause_here``): the stall warning (after 1 s) names rank 1, and rank 1 prints its
+    Python stack, through host 2's agent, while the job goes on; at the end the straggler
+    report lists rank 1 first, its mean lateness near 30 ms, named as the straggler. The
+    job ends cleanly and leaves nothing behind."""
+    cluster = netns_cluster
+    first, second = cluster.hosts
+    command = ringrun(cluster, "--stall-warning-s", "1", "--straggler-report", "10", steps=60,
+                      script_args=(1, 0.03, 40, 3.0))
+    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        returncode = job.wait(timeout=70)
+    output = job.output
+    assert returncode == 0, output[-4000:]
+    assert re.search(rf"stall: .*rank 1 .*{re.escape(second.name)}", output), output[-4000:]
+    assert re.search(rf"rank 1 \(host {re.escape(second.name)}, pid \d+\) was asked for its Python stacks", output), \
+        output[-4000:]
+    # faulthandler's dump from rank 1, tagged by mpirun with its rank: the pause is on its stack
+    assert re.search(r"\[1\]:\s+File \".*cluster_partition\.py\", line \d+ in pause_here", output), output[-4000:]
+    report = output[output.index("straggler report:"):]
+    lines = report.splitlines()
+    assert f"rank 1 on {second.name}: mean lateness" in lines[1], report
+    lateness_ms = float(re.search(r"mean lateness ([\d.]+) ms", lines[1])[1])
+    assert 20 < lateness_ms < 200, report  # 30 ms a step, plus the 3 s pause over 60 steps
+    assert f"rank 1 on {second.name} is a straggler" in report, report
+    assert wait_for_no_processes(cluster) == {}
