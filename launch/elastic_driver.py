@@ -65,8 +65,8 @@ from .processes import die_with_parent
 PREFIX = "ringrun: elastic:"
 #: Seconds mpirun gets to end once its coordinator aborted the generation.
 ABORT_GRACE_S = 3.0
-#: The same after an abort for a host cut off the network (the coordinator's ``host_unreachable``):
-#: the survivors cannot shrink in place and mpirun would wait for the host for ever; the second
+#: The same after an abort for a host cut off the network (the coordinator's ``host_unreachable``)
+#: in a job that does not shrink in place: mpirun would wait for the host for ever; the second
 #: lets the survivors' last lines reach the output.
 UNREACHABLE_GRACE_S = 1.0
 SERVICE_MODULE = "ringmaster.launch.elastic_service"
@@ -171,8 +171,15 @@ class _GenerationJob(MpiJob):
 
 
 #: mpirun arguments for a job that shrinks in place: ULFM, over TCP (shared memory has no
-#: failure detection: a survivor's collective with a dead rank never returns).
-ULFM_ARGS = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "pml", "ob1"]
+#: failure detection: a survivor's collective with a dead rank never returns), with ULFM's
+#: heartbeat detector on a thread of its own (off by default): without it MPI never learns
+#: that a host was cut off the network, and the survivors cannot shrink past its ranks. A
+#: rank silent for 5 s (its period is 1 s; the timeout must exceed 3 periods) is suspected:
+#: before the coordinator's host timeout (8 s) ends the generation, so that the survivors'
+#: shrink finds it already failed.
+ULFM_ARGS = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "pml", "ob1",
+             "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
+             "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "5"]
 
 
 def ulfm_available(mpirun: str, timeout: float = 20.0) -> bool:
@@ -356,7 +363,8 @@ class ElasticDriver:
     def _watch_hosts(self, generation: Generation):
         """The tick during a generation: poll discovery, announce changes, end an aborted mpirun."""
         state = {"next_poll": time.monotonic() + self.options.discovery_interval_s, "announced": False,
-                 "abort_seen": None, "offset": 0, "grace": 0.0}
+                 "abort_seen": None, "offset": 0, "grace": 0.0,
+                 "survivors_done": None, "next_exit_poll": 0.0}
         current = {host.name for host in generation.hosts}
 
         # Survivors that cannot shrink leave after the shrink timeout; mpirun then gets the usual grace.
@@ -369,13 +377,16 @@ class ElasticDriver:
                 generation.events.append(event)
                 if event.get("event") == "abort":
                     state["abort_seen"] = now
-                    # a host cut off: MPI will not learn of it, so nobody shrinks in place, and
-                    # mpirun waits for that host for ever: re-form at once (issue 46)
-                    state["grace"] = UNREACHABLE_GRACE_S if event.get("host_unreachable") else grace
+                    # a host cut off, in a job that does not shrink in place: mpirun waits for
+                    # that host for ever, so re-form at once (issue 46)
+                    state["grace"] = (UNREACHABLE_GRACE_S if event.get("host_unreachable")
+                                      and not self.options.shrink_in_place else grace)
                 elif event.get("event") == "welcome" and state["abort_seen"] is not None:
                     state["abort_seen"] = None
                     if not self._shrunk(generation, int(event.get("size", 0)), current):
                         return True  # past --reset-limit: end the job
+            if self._survivors_ended(generation, state, now):
+                return True
             if state["abort_seen"] is not None and now - state["abort_seen"] > state["grace"]:
                 self._say(f"mpirun did not end within {state['grace']:g} s of the abort: killing it")
                 state["abort_seen"] = float("inf")
@@ -420,7 +431,8 @@ class ElasticDriver:
         started = time.monotonic()
         try:
             address = coordinator.start()
-            env = dict(plan.base_env, RINGMASTER_COORDINATOR_ADDR=address, RINGMASTER_SECRET=self.secret)
+            env = dict(plan.base_env, RINGMASTER_COORDINATOR_ADDR=address, RINGMASTER_SECRET=self.secret,
+                       RINGMASTER_COORDINATOR_PID=str(coordinator.process.pid))
             env[protocol.ADDR_VAR] = self._service.address
             env[protocol.GENERATION_VAR] = str(number)
             env[protocol.HOSTS_VERSION_VAR] = str(version)
@@ -483,6 +495,28 @@ class ElasticDriver:
             return False
         self._say(f"{what}: the other ranks shrank the job in place to {size} rank(s) and go on from the last "
                   f"commit (re-form {self.resets})")
+        return True
+
+    def _survivors_ended(self, generation: Generation, state: dict, now: float) -> bool:
+        """True (kill mpirun) :data:`ABORT_GRACE_S` after every rank of a job that shrank in place
+        has reported its exit while mpirun still runs: it waits for a lost host's daemon, which a
+        host cut off the network never answers (issue 46). Polled once a second."""
+        if not generation.shrinks or now < state["next_exit_poll"]:
+            return False
+        state["next_exit_poll"] = now + 1.0
+        if state["survivors_done"] is None:
+            try:
+                ranks = {rank for size, rank, _ in self._service.exits() if size == generation.num_proc}
+            except protocol.ServiceError:
+                return False
+            if ranks == set(range(generation.num_proc)):
+                state["survivors_done"] = now
+            return False
+        if now - state["survivors_done"] <= ABORT_GRACE_S:
+            return False
+        state["survivors_done"] = float("inf")
+        self._say(f"the {generation.num_proc} rank(s) still in the job have ended, and mpirun still waits "
+                  f"{ABORT_GRACE_S:g} s later (for a lost host's daemon): killing it")
         return True
 
     def _survivors_finished(self, generation: Generation) -> bool:
