@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 from ringmaster.common.config import Config
 from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
 from ringmaster.coordinator.cache_stalls import describe_slow as describe_slow_cache_cycle
+from ringmaster.coordinator.host_liveness import BEAT_INTERVAL_S
 from ringmaster.coordinator.negotiation import Stall
 from ringmaster.coordinator.stall_report import in_set, shutdown_reason, stall_key, warning_lines
 from ringmaster.coordinator.validation import shown
@@ -47,6 +48,10 @@ log = logging.getLogger("ringmaster.coordinator")
 #: many heartbeat timeouts (a host can starve threads for minutes, docs/architecture.md), then
 #: the job ends: its threads are not merely slow.
 LIVE_SILENCE_FACTOR = 5
+
+#: A silent rank of another host is read through its host agent only if the agent's last beat
+#: is at most this many beat intervals old.
+FRESH_BEATS = 3
 
 #: Process states (``/proc/PID/stat``) of a process that runs, or waits to: not stopped, not exited.
 _LIVE_STATES = ("R", "S", "D", "I")
@@ -128,8 +133,9 @@ def _silent_rank(config: Config, sessions: Mapping[int, "RankSession"], now: flo
             silent_s = now - session.silent_since
         state = process_state(session) if session.pid > 0 else None
         if state is None and hosts is not None and config.host_timeout_s > 0:
-            # on another host: what its host agent read, while the agent answers
-            state = hosts.state_of(session.hostname, session.pid, config.host_timeout_s)
+            # on another host: what its host agent read, if the agent was heard just now (an
+            # older beat may come from a host that has been cut off since)
+            state = hosts.state_of(session.hostname, session.pid, FRESH_BEATS * BEAT_INTERVAL_S)
         limit_s = LIVE_SILENCE_FACTOR * timeout_s
         if state in _LIVE_STATES and silent_s > limit_s:
             return Verdict(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for {silent_s:.0f} s although "
