@@ -65,9 +65,9 @@ from .processes import die_with_parent
 PREFIX = "ringrun: elastic:"
 #: Seconds mpirun gets to end once its coordinator aborted the generation.
 ABORT_GRACE_S = 3.0
-#: The same after an abort for a host cut off the network (the coordinator's ``host_unreachable``)
-#: in a job that does not shrink in place: mpirun would wait for the host for ever; the second
-#: lets the survivors' last lines reach the output.
+#: The same after an abort for a host cut off the network (the coordinator's ``host_unreachable``):
+#: the survivors cannot shrink in place (MPI never learns of the cut) and mpirun would wait for the
+#: host for ever; the second lets the survivors' last lines reach the output.
 UNREACHABLE_GRACE_S = 1.0
 SERVICE_MODULE = "ringmaster.launch.elastic_service"
 
@@ -171,15 +171,11 @@ class _GenerationJob(MpiJob):
 
 
 #: mpirun arguments for a job that shrinks in place: ULFM, over TCP (shared memory has no
-#: failure detection: a survivor's collective with a dead rank never returns), with ULFM's
-#: heartbeat detector on a thread of its own (off by default): without it MPI never learns
-#: that a host was cut off the network, and the survivors cannot shrink past its ranks. A
-#: rank silent for 5 s (its period is 1 s; the timeout must exceed 3 periods) is suspected:
-#: before the coordinator's host timeout (8 s) ends the generation, so that the survivors'
-#: shrink finds it already failed.
-ULFM_ARGS = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "pml", "ob1",
-             "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
-             "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "5"]
+#: failure detection: a survivor's collective with a dead rank never returns). (ULFM's heartbeat
+#: detector, which would let MPI learn of a host cut off the network, is off: with
+#: ``mpi_ft_detector`` on, a 2-rank job of tests/jobs/elastic_train.py hung at its end with the
+#: detector's thread and crashed without it, Open MPI 5 here, 2026-11-28.)
+ULFM_ARGS = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "pml", "ob1"]
 
 
 def ulfm_available(mpirun: str, timeout: float = 20.0) -> bool:
@@ -377,10 +373,9 @@ class ElasticDriver:
                 generation.events.append(event)
                 if event.get("event") == "abort":
                     state["abort_seen"] = now
-                    # a host cut off, in a job that does not shrink in place: mpirun waits for
-                    # that host for ever, so re-form at once (issue 46)
-                    state["grace"] = (UNREACHABLE_GRACE_S if event.get("host_unreachable")
-                                      and not self.options.shrink_in_place else grace)
+                    # a host cut off: MPI never learns of it, so nobody can shrink in place, and
+                    # mpirun waits for that host for ever: re-form at once (issue 46)
+                    state["grace"] = UNREACHABLE_GRACE_S if event.get("host_unreachable") else grace
                 elif event.get("event") == "welcome" and state["abort_seen"] is not None:
                     state["abort_seen"] = None
                     if not self._shrunk(generation, int(event.get("size", 0)), current):

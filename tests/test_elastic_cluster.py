@@ -129,14 +129,13 @@ def test_horovod_elastic_script_runs_then_below_min_np_ends_with_an_error_naming
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(150)
 def test_host_whose_network_stops_is_left_out_and_the_job_grows_back_when_it_returns(netns_cluster_factory,
                                                                                     tmp_path):
     """Host 3's network link goes down mid-training (and the discovery script stops listing
     it): its rank stops answering, the coordinator names it after the heartbeat timeout, the
-    survivors shrink in place if ULFM's detector has suspected it by then (else they give up
-    after the shrink timeout), and ringrun re-forms the job on hosts 1 and 2 with a new mpirun
-    from the commit it holds (the host list changed). The link comes back
+    survivors cannot shrink in place (MPI does not learn of the loss), and ringrun re-forms
+    the job on hosts 1 and 2 with a new mpirun from the commit it holds. The link comes back
     and the discovery script lists host 3 again: once its cooldown is over, at the next commit
     the ranks re-form on 3 hosts, the new one receiving the committed state by broadcast, and
     the job finishes there, matching the one-process replay."""
@@ -160,8 +159,7 @@ def test_host_whose_network_stops_is_left_out_and_the_job_grows_back_when_it_ret
         finally:
             third.run(["ip", "link", "set", "eth0", "up"], check=True)
         hosts_file.write_text("".join(f"{host.name}:1\n" for host in cluster.hosts))
-        # up to two new generations (hosts 1-2, then 1-3), each ~25 s to start on 2 loaded cores
-        job.wait_for_matches(r"RESET size 3", count=3, timeout=100)
+        job.wait_for_matches(r"RESET size 3", count=3, timeout=60)
         returncode = job.wait(timeout=60)
     assert returncode == 0, job.output[-4000:]
     assert re.search(rf"lost rank 2 on host {re.escape(third.name)} .*sent no heartbeat", job.output), \
