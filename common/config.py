@@ -40,6 +40,11 @@ class Config:
     # vanished host. 60 s, not less: with 8 ranks on 2 busy cores a live rank's stream was
     # seen silent for 16 s (its threads starved), and the job was aborted blaming it.
     heartbeat_timeout_s: float = 60.0
+    # A host other than the coordinator's whose agent (coordinator/host_agent.py, a process of
+    # its own, so no rank's GIL can block it) sends nothing for this long is unreachable; the
+    # figures that chose 8 s are in docs/configuration.md. 0: no host agents.
+    host_timeout_s: float = 8.0
+    straggler_report_min: float = 0.0
     start_timeout_s: float = 30.0
     allreduce_algorithm: str = "auto"
     log_level: str = "WARNING"
@@ -229,6 +234,14 @@ SETTINGS: Tuple[Setting, ...] = (
             "how often an idle rank tells the coordinator it is alive", metavar="S"),
     Setting("RINGMASTER_HEARTBEAT_TIMEOUT_S", "heartbeat_timeout_s", _SECONDS, "--heartbeat-timeout-s",
             "declare a rank dead after S seconds without a heartbeat", metavar="S"),
+    Setting("RINGMASTER_HOST_TIMEOUT_S", "host_timeout_s", _SECONDS_OR_NEVER, "--host-timeout-s",
+            "declare a host unreachable after S seconds without its host agent's heartbeat (sent every "
+            "second); ranks and agents that hear nothing from the coordinator for as long end "
+            "themselves (0: no host agents)", metavar="S"),
+    Setting("RINGMASTER_STRAGGLER_REPORT_MIN", "straggler_report_min", _SECONDS_OR_NEVER, "--straggler-report",
+            "log the straggler report (each rank's mean lateness per negotiated collective) every N minutes "
+            "as well as at the end of the job (0: only at the end, and only when a rank stands out)",
+            metavar="N"),
     Setting("RINGMASTER_BACKGROUND_NICE", "background_nice", _number(0, 19, whole=True), "--background-nice",
             "nice value 0-19 of each rank's communication thread (19: it uses the cycles training "
             "leaves; 0: equal priority)", metavar="N"),

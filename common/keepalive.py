@@ -31,15 +31,20 @@ PING_TIMEOUT_MS = 120_000
 LOCAL_PING_TIMEOUT_MS = 1_200_000
 
 
-def timeout_for(address: str) -> int:
-    """The ping timeout of a rank's stream to the coordinator at ``address`` (``host:port``)."""
+def is_local(address: str) -> bool:
+    """Whether ``address`` (``host:port``) is on this host (by name, loopback or this host's address)."""
     host = address.rsplit(":", 1)[0].strip("[]")
     local = {"localhost", "::1", socket.gethostname()}
     try:
         local.add(socket.gethostbyname(socket.gethostname()))
     except OSError:
         pass
-    return LOCAL_PING_TIMEOUT_MS if host in local or host.startswith("127.") else PING_TIMEOUT_MS
+    return host in local or host.startswith("127.")
+
+
+def timeout_for(address: str) -> int:
+    """The ping timeout of a rank's stream to the coordinator at ``address`` (``host:port``)."""
+    return LOCAL_PING_TIMEOUT_MS if is_local(address) else PING_TIMEOUT_MS
 
 
 def client_options(interval_ms: int = PING_INTERVAL_MS, timeout_ms: int = PING_TIMEOUT_MS) -> List[Tuple[str, int]]:

@@ -35,8 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="after all ranks shut down, wait for the job's next init() instead of exiting")
     parser.add_argument("--report-file",
                         help="append one JSON line per abort (event 'abort': kind, reason, failed_rank, "
-                             "failed_host) and per complete registration (event 'welcome': size): an elastic "
-                             "ringrun reads it to leave failed hosts out")
+                             "failed_host, host_unreachable) and per complete registration (event 'welcome': "
+                             "size): ringrun reads it to end an aborted job and to leave failed hosts out")
     parser.add_argument("--elastic", action="store_true",
                         help="after a rank failed, wait for the survivors to register again as a smaller job")
     return parser.parse_args(argv)
@@ -48,13 +48,15 @@ def append_report(path: str, event: dict) -> None:
         handle.write(json.dumps(event) + "\n")
 
 
-def report_abort(path: str, kind: int, reason: str, failed_rank: int, failed_host: str) -> None:
+def report_abort(path: str, kind: int, reason: str, failed_rank: int, failed_host: str,
+                 host_unreachable: bool = False) -> None:
     """The job (or, for an elastic job, its current size) was aborted: what failed."""
     from ringmaster.proto import ringmaster_pb2 as pb
 
     append_report(path, {"event": "abort", "time": time.time(),
                          "kind": pb.ErrorKind.Name(kind) if kind in pb.ErrorKind.values() else str(kind),
-                         "reason": reason, "failed_rank": failed_rank, "failed_host": failed_host})
+                         "reason": reason, "failed_rank": failed_rank, "failed_host": failed_host,
+                         "host_unreachable": host_unreachable})
 
 
 def main(argv=None) -> int:

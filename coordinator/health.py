@@ -21,20 +21,25 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import socket
 import time
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from ringmaster.common.config import Config
 from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
 from ringmaster.coordinator.cache_stalls import describe_slow as describe_slow_cache_cycle
+from ringmaster.coordinator.host_liveness import BEAT_INTERVAL_S
 from ringmaster.coordinator.negotiation import Stall
 from ringmaster.coordinator.stall_report import in_set, shutdown_reason, stall_key, warning_lines
 from ringmaster.coordinator.validation import shown
+from ringmaster.coordinator.verdict import Verdict
 from ringmaster.proto import ringmaster_pb2 as pb
 
 if TYPE_CHECKING:
     from ringmaster.coordinator.generation import Generation
+    from ringmaster.coordinator.host_liveness import HostLiveness
     from ringmaster.coordinator.sessions import RankSession
 
 log = logging.getLogger("ringmaster.coordinator")
@@ -43,6 +48,10 @@ log = logging.getLogger("ringmaster.coordinator")
 #: many heartbeat timeouts (a host can starve threads for minutes, docs/architecture.md), then
 #: the job ends: its threads are not merely slow.
 LIVE_SILENCE_FACTOR = 5
+
+#: A silent rank of another host is read through its host agent only if the agent's last beat
+#: is at most this many beat intervals old.
+FRESH_BEATS = 3
 
 #: Process states (``/proc/PID/stat``) of a process that runs, or waits to: not stopped, not exited.
 _LIVE_STATES = ("R", "S", "D", "I")
@@ -53,26 +62,42 @@ _EXITED = "its process has exited"
 _WHY_SILENT = {"T": _STOPPED, "t": _STOPPED, "Z": _EXITED, "X": _EXITED, "gone": _EXITED}
 
 
-class Verdict(NamedTuple):
-    """Why the job ends, as the coordinator's abort tells every rank."""
-
-    kind: int
-    reason: str
-    failed_rank: int = -1
-    failed_host: str = ""
-    stalled_ranks: Sequence[int] = ()
-
-
 def check(config: Config, size: int, sessions: Mapping[int, "RankSession"], generation: "Generation",
-          now: float) -> Optional[Verdict]:
-    """One look at a job whose ranks all registered (``sessions``: rank -> its stream)."""
+          now: float, hosts: Optional["HostLiveness"] = None) -> Optional[Verdict]:
+    """One look at a job whose ranks all registered (``sessions``: rank -> its stream; ``hosts``:
+    the host agents' heartbeats, :mod:`.host_liveness`)."""
     host_of = lambda rank: describe_rank(sessions, rank)  # noqa: E731
-    verdict = _silent_rank(config, sessions, now)
+    verdict = hosts.check(config.host_timeout_s, sessions, now, socket.gethostname()) if hosts is not None else None
+    if verdict is None:
+        verdict = _silent_rank(config, sessions, now, hosts)
     if verdict is None and config.cache_stall_s > 0:
         verdict = _stalled_cache(config, size, generation, host_of)
     if verdict is None:
-        verdict = _stalls(config, generation, host_of, now)
+        verdict = _stalls(config, generation, host_of, now, lambda ranks: ask_for_stacks(sessions, ranks, hosts))
     return verdict
+
+
+#: Late ranks asked for their stacks at most per stall warning (each prints every thread's stack).
+MAX_STACKS = 4
+
+
+def ask_for_stacks(sessions: Mapping[int, "RankSession"], ranks: Sequence[int],
+                   hosts: Optional["HostLiveness"]) -> None:
+    """Have the late ``ranks`` of a stall warning print their Python stacks (SIGUSR1: the runtime's
+    stack dump) while the job still runs: directly on this host, through the host agent elsewhere."""
+    for rank in list(ranks)[:MAX_STACKS]:
+        session = sessions.get(rank)
+        if session is None or session.pid <= 0:
+            continue
+        if session.hostname == socket.gethostname():
+            try:
+                os.kill(session.pid, signal.SIGUSR1)
+            except (ProcessLookupError, PermissionError):
+                continue
+        elif hosts is None or not hosts.want_stacks(session.hostname, session.pid):
+            continue
+        log.warning("stall: %s was asked for its Python stacks: they follow in its output (its stderr)",
+                    session.describe())
 
 
 def excuse_silence(sessions: Mapping[int, "RankSession"], late_s: float) -> None:
@@ -97,7 +122,8 @@ def describe_rank(sessions: Mapping[int, "RankSession"], rank: int) -> str:
 
 
 # ------------------------------------------------------------------ the checks
-def _silent_rank(config: Config, sessions: Mapping[int, "RankSession"], now: float) -> Optional[Verdict]:
+def _silent_rank(config: Config, sessions: Mapping[int, "RankSession"], now: float,
+                 hosts: Optional["HostLiveness"] = None) -> Optional[Verdict]:
     timeout_s = config.heartbeat_timeout_s
     for session in list(sessions.values()):
         if now - session.last_seen <= timeout_s:
@@ -106,6 +132,10 @@ def _silent_rank(config: Config, sessions: Mapping[int, "RankSession"], now: flo
         if session.silent_since is not None:
             silent_s = now - session.silent_since
         state = process_state(session) if session.pid > 0 else None
+        if state is None and hosts is not None and config.host_timeout_s > 0:
+            # on another host: what its host agent read, if the agent was heard just now (an
+            # older beat may come from a host that has been cut off since)
+            state = hosts.state_of(session.hostname, session.pid, FRESH_BEATS * BEAT_INTERVAL_S)
         limit_s = LIVE_SILENCE_FACTOR * timeout_s
         if state in _LIVE_STATES and silent_s > limit_s:
             return Verdict(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for {silent_s:.0f} s although "
@@ -124,6 +154,8 @@ def _silent_rank(config: Config, sessions: Mapping[int, "RankSession"], now: flo
             session.last_seen = now
             continue
         why = _WHY_SILENT.get(state, "it hangs or its host is unreachable")
+        if state is not None and state != "gone" and session.hostname != socket.gethostname():
+            why += f" (on host {shown(session.hostname)}, whose host agent answers: the rank hangs there)"
         return Verdict(pb.RANK_FAILED, f"{session.describe()} sent no heartbeat for {silent_s:.0f} s "
                        f"(RINGMASTER_HEARTBEAT_TIMEOUT_S={timeout_s:g}): {why}", session.rank, session.hostname)
     return None
@@ -141,9 +173,13 @@ def _stalled_cache(config: Config, size: int, generation: "Generation", host_of)
     return None
 
 
-def _stalls(config: Config, generation: "Generation", host_of, now: float) -> Optional[Verdict]:
-    for line in warning_lines(_newly_stalled(config, generation, now), host_of):
+def _stalls(config: Config, generation: "Generation", host_of, now: float,
+            on_late=None) -> Optional[Verdict]:
+    newly = _newly_stalled(config, generation, now)
+    for line in warning_lines(newly, host_of):
         log.warning("%s", line)
+    if newly and on_late is not None:
+        on_late(sorted({rank for stall in newly for rank in stall.missing_ranks}))
     plan_stalls, set_ranks = generation.plan_stalls, generation.negotiator.set_ranks
     for stall in plan_stalls.stalls(config.stall_warning_s, set_ranks):
         log.warning("stall: %s", _describe_plan_stall(stall, host_of))

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ringmaster.coordinator.fusion import fuse_responses
 from ringmaster.coordinator.process_sets import GLOBAL_SET, ProcessSets, describe_set
+from ringmaster.coordinator.stragglers import StragglerTally
 from ringmaster.coordinator.validation import Problem, compression_problem, request_problem, shown
 from ringmaster.coordinator.vocabulary import OP_NAMES, REDUCE_NAMES, UNTABLED_OPS
 from ringmaster.proto import ringmaster_pb2 as pb
@@ -126,6 +127,7 @@ class Negotiator:
         self._sets = ProcessSets(size)
         self._joined: List[int] = []
         self._departed: Dict[int, str] = {}  # rank -> who it was, for ranks that shut down
+        self.stragglers = StragglerTally(size)  # who submits late (coordinator/stragglers.py)
 
     # ------------------------------------------------------------------ input
     def add_request(self, rank: int, request: pb.TensorRequest) -> None:
@@ -185,9 +187,13 @@ class Negotiator:
             return
         entry.requests[rank] = serialized if serialized is not None else request.SerializeToString()
         self._pending_by_rank[rank] += 1
+        if set_id == GLOBAL_SET:
+            self.stragglers.declared(rank, self._clock() - entry.first_seen)
         if self._departed and not self._fail_if_orphaned(entry):
             return
         self._complete_if_ready(entry)
+        if set_id == GLOBAL_SET and key not in self._pending:
+            self.stragglers.completed(rank)
 
     def add_merged(self, ranks: Sequence[int], requests: Sequence[pb.TensorRequest]) -> None:
         """Record that every rank of ``ranks`` is ready to run each of ``requests``, which each

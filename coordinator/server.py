@@ -37,6 +37,7 @@ from ringmaster.coordinator import health
 from ringmaster.coordinator.generation import Generation
 from ringmaster.coordinator.host_links import HostLink, HostedSession, link_ended, send_to_each, serve_host_stream
 from ringmaster.coordinator.outgoing import response_lists
+from ringmaster.coordinator.host_liveness import HostLiveness
 from ringmaster.coordinator.sessions import CoordinatorServicer, RankSession, RefusalLog, method_handlers
 from ringmaster.coordinator.validation import heartbeat_problem, register_problem, shown, tuning_problem
 from ringmaster.proto import ringmaster_pb2 as pb
@@ -91,13 +92,20 @@ class Coordinator:
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._serve, name="ringmaster-coordinator", daemon=True)
-        #: called as ``on_abort(kind, reason, failed_rank, failed_host)`` when the job is aborted
+        #: called as ``on_abort(kind, reason, failed_rank, failed_host, host_unreachable)`` when the job is aborted
         #: (an elastic ringrun learns from it which host failed: ``--report-file``)
         self.on_abort = None
         #: called as ``on_welcome(size)`` each time every rank of a job (or of a shrunk job) registered
         self.on_welcome = None
         self.elastic = elastic
         self._adopt_size = False
+        self._hosts = HostLiveness()
+        self._rank_hosts: Dict[int, str] = {}  # rank -> hostname, as registered (for the straggler report)
+        self._stragglers_reported = time.monotonic()
+
+    def host_beat(self, value: str) -> str:
+        """A host agent's heartbeat (:mod:`.host_liveness`); returns the pids whose stacks it is to print."""
+        return self._hosts.beat(value)
 
     @property
     def address(self) -> str:
@@ -314,6 +322,8 @@ class Coordinator:
                 s = self._sessions[rank]
                 welcome.ranks.add(rank=rank, hostname=s.hostname, pid=s.pid)
             self._generation.welcomed = True
+            self._hosts.welcomed_at = self._stragglers_reported = time.monotonic()
+            self._rank_hosts = {rank: s.hostname for rank, s in self._sessions.items()}
             self._broadcast(pb.CoordinatorMessage(welcome=welcome))
             if self.on_welcome is not None:
                 self.on_welcome(self.size)
@@ -359,6 +369,7 @@ class Coordinator:
     def _end_generation(self) -> None:
         """Every rank shut down cleanly: finish, or wait for the job's next init()."""
         log.info("all ranks shut down")
+        self._report_stragglers(final=True)
         if not self.persistent:
             self._finish()
             return
@@ -388,11 +399,12 @@ class Coordinator:
                 return
 
     def _abort_job(self, kind: int, reason: str, failed_rank: int = -1, failed_host: str = "",
-                   stalled_ranks: Sequence[int] = ()) -> None:
+                   stalled_ranks: Sequence[int] = (), host_unreachable: bool = False) -> None:
         """Tell every rank the job cannot go on, then finish."""
         log.error("aborting the job: %s", reason)
+        self._report_stragglers(final=True)
         if self.on_abort is not None:
-            self.on_abort(kind, reason, failed_rank, failed_host)
+            self.on_abort(kind, reason, failed_rank, failed_host, host_unreachable)
         abort = pb.CoordinatorMessage(abort=pb.Abort(kind=kind, reason=reason, failed_rank=failed_rank,
                                                      failed_host=failed_host, stalled_ranks=stalled_ranks))
         sessions = list(self._sessions.values())
@@ -430,8 +442,12 @@ class Coordinator:
             late, last = now - last - tick, now
             if late > max(1.0, tick):
                 health.excuse_silence(self._sessions, late)
+                self._hosts.excuse(late)
             if not self.finished.is_set():
                 self._check_health()
+                every_s = 60 * self.config.straggler_report_min
+                if every_s > 0 and self._generation.welcomed and now - self._stragglers_reported >= every_s:
+                    self._report_stragglers(final=False)
 
     def _check_health(self) -> None:
         """Streams that never registered, the start timeout, then the job's health (coordinator/health.py)."""
@@ -449,9 +465,21 @@ class Coordinator:
                                 f"--start-timeout); check that every rank was started and can reach "
                                 f"{self.address}{refused}")
             return
-        verdict = health.check(self.config, self.size, self._sessions, self._generation, now)
+        verdict = health.check(self.config, self.size, self._sessions, self._generation, now, self._hosts)
         if verdict is not None:
             self._abort_job(*verdict)
+
+
+    def _report_stragglers(self, final: bool) -> None:
+        """Log the straggler report (coordinator/stragglers.py): every RINGMASTER_STRAGGLER_REPORT_MIN
+        minutes, and at the end of a job (at INFO there, unless a rank stands out or reports were asked for)."""
+        self._stragglers_reported = time.monotonic()
+        tally = self._generation.negotiator.stragglers
+        lines = tally.report(lambda rank: f"rank {rank} on {shown(self._rank_hosts.get(rank, '?'))}",
+                             time.monotonic() - self._generation.started)
+        loud = not final or self.config.straggler_report_min > 0 or tally.standout() is not None
+        for line in lines:
+            log.log(logging.WARNING if loud else logging.INFO, "%s", line)
 
 
 def _join_host_port(host: str, port: int) -> str:

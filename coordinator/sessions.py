@@ -15,6 +15,8 @@ from typing import Optional
 
 import grpc
 
+from ringmaster.coordinator.host_liveness import METADATA_KEY as HOST_AGENT_KEY
+from ringmaster.coordinator.host_liveness import STACKS_KEY
 from ringmaster.coordinator.stream_writer import CLOSE, write_outbox
 from ringmaster.coordinator.validation import shown
 from ringmaster.proto import ringmaster_pb2 as pb
@@ -63,6 +65,12 @@ class CoordinatorServicer:
         self._coordinator = coordinator
 
     async def Ping(self, request: bytes, context):
+        for key, value in context.invocation_metadata() or ():
+            if key == HOST_AGENT_KEY:  # a host agent's heartbeat (coordinator/host_liveness.py)
+                stacks = self._coordinator.host_beat(value if isinstance(value, str) else
+                                                     value.decode(errors="replace"))
+                if stacks:
+                    context.set_trailing_metadata(((STACKS_KEY, stacks),))
         return pb.Empty()
 
     async def NegotiateHost(self, request_iterator, context):

@@ -32,7 +32,8 @@ from .coordinator_process import CoordinatorProcess
 from .environment import (base_environment, coordinator_environment, exported_names, job_environment,
                           tuning_environment, validated_config)
 from .elastic_cli import add_elastic_arguments, check_elastic_args, elastic_requested, run_elastic
-from .errors import LaunchError
+from .abort_watch import AbortWatch
+from .errors import FAILURE_EXIT, LaunchError
 from .hosts import Host, all_local, check_slots, resolve_hosts, total_slots
 from .job import FORWARDED_SIGNALS, MpiJob
 from .mpi_command import (LaunchSpec, MpiImplementation, build_command, detect_mpi, find_mpirun,
@@ -256,7 +257,9 @@ def run_job(plan: JobPlan) -> int:
         size=plan.num_proc, bind=plan.coordinator_bind, advertise=plan.coordinator_advertise,
         env=coordinator_environment(plan.base_env, secret),
         address_file=os.path.join(workdir, "coordinator.address"), start_timeout=plan.start_timeout,
+        report_file=os.path.join(workdir, "coordinator.report"),
     )
+    watch = AbortWatch(coordinator.report_file, stop_limit_s=validated_config(plan.base_env).host_timeout_s)
     try:
         if plan.hostfile_text is not None:
             plan.spec.hostfile = os.path.join(workdir, "hostfile")
@@ -271,20 +274,26 @@ def run_job(plan: JobPlan) -> int:
         if plan.verbose:
             print(f"{PROG}: starting the coordinator: {shlex.join(coordinator.command())}", file=sys.stderr)
         coordinator_addr = coordinator.start()
+        watch.coordinator_pid = coordinator.process.pid
         if plan.verbose:
             print(f"{PROG}: coordinator listening on {coordinator_addr}", file=sys.stderr)
             print(f"{PROG}: {shlex.join(command)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        env = job_environment(plan.base_env, coordinator_addr, secret)
+        env = job_environment(plan.base_env, coordinator_addr, secret, str(coordinator.process.pid))
         job = MpiJob(command, env, OutputRelay(plan.mpi.kind, plan.output_dir),
-                     on_signal=coordinator.send_signal)
-        return job.run()
+                     on_signal=coordinator.send_signal, abort_watch=watch)
+        status = job.run()
     finally:
         for signum in FORWARDED_SIGNALS:  # a bounded teardown is not to be interrupted
             signal.signal(signum, signal.SIG_IGN)
         coordinator.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+    last_line = watch.last_line()
+    if status != 0 and last_line is not None:  # after everything else: the cause is the last line
+        print(f"{PROG}: {last_line}", file=sys.stderr, flush=True)
+        return status if status != 0 else FAILURE_EXIT
+    return status
 
 
 def _output_dir(path: Optional[str]) -> Optional[str]:

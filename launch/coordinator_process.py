@@ -36,10 +36,12 @@ class CoordinatorProcess:
         start_timeout: seconds to wait for that file.
         stderr: where its messages go (default: ringrun's own stderr; a file for benchmarks
             that read them).
+        report_file: where it appends one JSON line per abort (``--report-file``), which
+            ringrun watches (:mod:`.abort_watch`); None: no report.
     """
 
     def __init__(self, size: int, bind: str, advertise: str, env: Mapping[str, str],
-                 address_file: str, start_timeout: float, stderr=None):
+                 address_file: str, start_timeout: float, stderr=None, report_file: Optional[str] = None):
         self.size = size
         self.bind = bind
         self.advertise = advertise
@@ -47,6 +49,7 @@ class CoordinatorProcess:
         self.address_file = address_file
         self.start_timeout = start_timeout
         self.stderr = stderr
+        self.report_file = report_file
         self.process: Optional[subprocess.Popen] = None
         self.address: Optional[str] = None
 
@@ -58,6 +61,8 @@ class CoordinatorProcess:
                    "--exit-on-stdin-eof", "--persistent"]
         if self.advertise != self.bind:
             command += ["--advertise", self.advertise]
+        if self.report_file is not None:
+            command += ["--report-file", self.report_file]
         return command
 
     def start(self) -> str:
@@ -135,6 +140,8 @@ class CoordinatorProcess:
                 process.stdin.close()
             except OSError:
                 pass
+        if _stopped(process.pid):  # SIGSTOPped: it reads neither EOF nor SIGTERM; nothing to save
+            process.kill()
         for grace, action in ((eof_grace, process.terminate), (term_grace, process.kill)):
             try:
                 process.wait(grace)
@@ -145,6 +152,14 @@ class CoordinatorProcess:
                 except ProcessLookupError:
                     pass
         process.wait()
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _describe_status(code: int) -> str:

@@ -65,6 +65,10 @@ from .processes import die_with_parent
 PREFIX = "ringrun: elastic:"
 #: Seconds mpirun gets to end once its coordinator aborted the generation.
 ABORT_GRACE_S = 3.0
+#: The same after an abort for a host cut off the network (the coordinator's ``host_unreachable``):
+#: the survivors cannot shrink in place (MPI never learns of the cut) and mpirun would wait for the
+#: host for ever; the second lets the survivors' last lines reach the output.
+UNREACHABLE_GRACE_S = 1.0
 SERVICE_MODULE = "ringmaster.launch.elastic_service"
 
 
@@ -147,13 +151,12 @@ class _ReportingCoordinator(CoordinatorProcess):
     """The job's coordinator, writing what made it abort to ``report_file``."""
 
     def __init__(self, *args, report_file: str, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.report_file = report_file
+        super().__init__(*args, report_file=report_file, **kwargs)
 
     elastic = False
 
     def command(self) -> List[str]:
-        return super().command() + ["--report-file", self.report_file] + (["--elastic"] if self.elastic else [])
+        return super().command() + (["--elastic"] if self.elastic else [])
 
 
 class _GenerationJob(MpiJob):
@@ -168,7 +171,10 @@ class _GenerationJob(MpiJob):
 
 
 #: mpirun arguments for a job that shrinks in place: ULFM, over TCP (shared memory has no
-#: failure detection: a survivor's collective with a dead rank never returns).
+#: failure detection: a survivor's collective with a dead rank never returns). (ULFM's heartbeat
+#: detector, which would let MPI learn of a host cut off the network, is off: with
+#: ``mpi_ft_detector`` on, a 2-rank job of tests/jobs/elastic_train.py hung at its end with the
+#: detector's thread and crashed without it, Open MPI 5 here, 2026-11-28.)
 ULFM_ARGS = ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--mca", "pml", "ob1"]
 
 
@@ -353,7 +359,8 @@ class ElasticDriver:
     def _watch_hosts(self, generation: Generation):
         """The tick during a generation: poll discovery, announce changes, end an aborted mpirun."""
         state = {"next_poll": time.monotonic() + self.options.discovery_interval_s, "announced": False,
-                 "abort_seen": None, "offset": 0}
+                 "abort_seen": None, "offset": 0, "grace": 0.0,
+                 "survivors_done": None, "next_exit_poll": 0.0}
         current = {host.name for host in generation.hosts}
 
         # Survivors that cannot shrink leave after the shrink timeout; mpirun then gets the usual grace.
@@ -366,12 +373,17 @@ class ElasticDriver:
                 generation.events.append(event)
                 if event.get("event") == "abort":
                     state["abort_seen"] = now
+                    # a host cut off: MPI never learns of it, so nobody can shrink in place, and
+                    # mpirun waits for that host for ever: re-form at once (issue 46)
+                    state["grace"] = UNREACHABLE_GRACE_S if event.get("host_unreachable") else grace
                 elif event.get("event") == "welcome" and state["abort_seen"] is not None:
                     state["abort_seen"] = None
                     if not self._shrunk(generation, int(event.get("size", 0)), current):
                         return True  # past --reset-limit: end the job
-            if state["abort_seen"] is not None and now - state["abort_seen"] > grace:
-                self._say(f"mpirun did not end within {grace:g} s of the abort: killing it")
+            if self._survivors_ended(generation, state, now):
+                return True
+            if state["abort_seen"] is not None and now - state["abort_seen"] > state["grace"]:
+                self._say(f"mpirun did not end within {state['grace']:g} s of the abort: killing it")
                 state["abort_seen"] = float("inf")
                 return True
             if state["announced"] or now < state["next_poll"] or self.options.discovery.script is None:
@@ -414,7 +426,8 @@ class ElasticDriver:
         started = time.monotonic()
         try:
             address = coordinator.start()
-            env = dict(plan.base_env, RINGMASTER_COORDINATOR_ADDR=address, RINGMASTER_SECRET=self.secret)
+            env = dict(plan.base_env, RINGMASTER_COORDINATOR_ADDR=address, RINGMASTER_SECRET=self.secret,
+                       RINGMASTER_COORDINATOR_PID=str(coordinator.process.pid))
             env[protocol.ADDR_VAR] = self._service.address
             env[protocol.GENERATION_VAR] = str(number)
             env[protocol.HOSTS_VERSION_VAR] = str(version)
@@ -477,6 +490,28 @@ class ElasticDriver:
             return False
         self._say(f"{what}: the other ranks shrank the job in place to {size} rank(s) and go on from the last "
                   f"commit (re-form {self.resets})")
+        return True
+
+    def _survivors_ended(self, generation: Generation, state: dict, now: float) -> bool:
+        """True (kill mpirun) :data:`ABORT_GRACE_S` after every rank of a job that shrank in place
+        has reported its exit while mpirun still runs: it waits for a lost host's daemon, which a
+        host cut off the network never answers (issue 46). Polled once a second."""
+        if not generation.shrinks or now < state["next_exit_poll"]:
+            return False
+        state["next_exit_poll"] = now + 1.0
+        if state["survivors_done"] is None:
+            try:
+                ranks = {rank for size, rank, _ in self._service.exits() if size == generation.num_proc}
+            except protocol.ServiceError:
+                return False
+            if ranks == set(range(generation.num_proc)):
+                state["survivors_done"] = now
+            return False
+        if now - state["survivors_done"] <= ABORT_GRACE_S:
+            return False
+        state["survivors_done"] = float("inf")
+        self._say(f"the {generation.num_proc} rank(s) still in the job have ended, and mpirun still waits "
+                  f"{ABORT_GRACE_S:g} s later (for a lost host's daemon): killing it")
         return True
 
     def _survivors_finished(self, generation: Generation) -> bool:

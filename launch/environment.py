@@ -17,6 +17,9 @@ from .setting_flags import setting_environment
 PREFIX = "RINGMASTER_"
 COORDINATOR_ADDR = "RINGMASTER_COORDINATOR_ADDR"
 SECRET = "RINGMASTER_SECRET"
+#: The coordinator's pid, for the ranks on its host: a stopped coordinator is told from a busy
+#: one by its state in ``/proc`` (worker/runtime/host_watch.py).
+COORDINATOR_PID = "RINGMASTER_COORDINATOR_PID"
 #: Non-ringmaster variables forwarded to every rank (when set here).
 PASSTHROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", TORCH_HUGE_PAGES)
 
@@ -39,7 +42,7 @@ def base_environment(environ: Mapping[str, str], tuning: Mapping[str, str]) -> D
     """``environ`` with ``tuning`` applied and any coordinator address or secret of an outer
     job removed (each ringrun job gets its own), and torch's huge pages requested unless
     ``environ`` says otherwise (:mod:`ringmaster.common.huge_pages`)."""
-    env = {k: v for k, v in environ.items() if k not in (COORDINATOR_ADDR, SECRET)}
+    env = {k: v for k, v in environ.items() if k not in (COORDINATOR_ADDR, SECRET, COORDINATOR_PID)}
     env.update(tuning)
     request_for_torch(env)
     return env
@@ -64,11 +67,13 @@ def coordinator_environment(base: Mapping[str, str], secret: str) -> Dict[str, s
     return env
 
 
-def job_environment(base: Mapping[str, str], coordinator_addr: str, secret: str) -> Dict[str, str]:
+def job_environment(base: Mapping[str, str], coordinator_addr: str, secret: str,
+                    coordinator_pid: str = "") -> Dict[str, str]:
     """The environment of ``mpirun`` (and through it of the ranks)."""
     env = dict(base)
     env[COORDINATOR_ADDR] = coordinator_addr
     env[SECRET] = secret
+    env[COORDINATOR_PID] = coordinator_pid
     return env
 
 

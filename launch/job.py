@@ -13,6 +13,7 @@ import sys
 import time
 from typing import BinaryIO, Callable, Mapping, Optional, Sequence
 
+from .abort_watch import AbortWatch
 from .errors import LaunchError
 from .output import OutputRelay
 from .processes import die_with_parent, reap_session, signal_session
@@ -45,15 +46,19 @@ class MpiJob:
             been forwarded to the launcher (ringrun forwards it to the coordinator there).
         kill_grace: seconds the launcher gets to end after a forwarded signal before its whole
             session (mpirun and the local ranks) is SIGKILLed.
+        abort_watch: tells when the coordinator aborted the job (:mod:`.abort_watch`): the
+            launcher's session is then SIGKILLed after its grace, whatever mpirun waits for.
     """
 
     def __init__(self, command: Sequence[str], env: Mapping[str, str], relay: OutputRelay,
-                 on_signal: Optional[Callable[[int], None]] = None, kill_grace: float = 5.0):
+                 on_signal: Optional[Callable[[int], None]] = None, kill_grace: float = 5.0,
+                 abort_watch: Optional[AbortWatch] = None):
         self.command = list(command)
         self.env = dict(env)
         self.relay = relay
         self.on_signal = on_signal
         self.kill_grace = kill_grace
+        self.abort_watch = abort_watch
         self.received_signal: Optional[int] = None
         self._kill_at: Optional[float] = None
         self._forwarded = False
@@ -100,7 +105,7 @@ class MpiJob:
             if self._kill_at is not None and time.monotonic() >= self._kill_at:
                 signal_session(process.pid, signal.SIGKILL)
                 self._kill_at = None
-            if self._should_stop():
+            if self._should_stop() or (self.abort_watch is not None and self.abort_watch.due()):
                 signal_session(process.pid, signal.SIGKILL)
 
     def _should_stop(self) -> bool:

@@ -369,7 +369,7 @@ def test_elastic_coordinator_aborts_then_serves_the_survivors_as_a_smaller_job()
     events = []
     server = Coordinator(3, SECRET, Config(heartbeat_timeout_s=5, start_timeout_s=5), "127.0.0.1", 0,
                          elastic=True).start()
-    server.on_abort = lambda kind, reason, rank, host: events.append(("abort", kind, rank))
+    server.on_abort = lambda kind, reason, rank, host, unreachable: events.append(("abort", kind, rank))
     server.on_welcome = lambda size: events.append(("welcome", size))
     try:
         ranks = [FakeRank(server.address, r, size=3) for r in range(3)]

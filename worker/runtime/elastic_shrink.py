@@ -122,6 +122,10 @@ def shrink_failed_runtime():
             raise RuntimeError("the coordinator did not end the failed job within the heartbeat timeout + 5 s")
     if runtime.fatal_error is None:  # MPI saw the failure, and the stream ended without an abort
         runtime.fail(RingmasterError(f"rank {runtime.rank}: a process of the job failed (MPI)"))
+    runtime.watch.stop()  # the shrunk job's runtime has its own watch and host agent
+    if runtime.host_agent is not None:
+        runtime.host_agent.terminate()
+        runtime.host_agent = None
     shrink_failed_runtime.reason = runtime.fatal_error
     try:
         runtime.client.close(timeout_s=1.0)

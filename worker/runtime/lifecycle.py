@@ -20,7 +20,7 @@ from ringmaster.common.config import Config, load_config
 from ringmaster.common.launchers import lone_task_problem
 from ringmaster.ops import waiting
 from ringmaster.proto import ringmaster_pb2 as pb
-from ringmaster.worker.runtime import agreement, autotune, current, hierarchy, host_aggregator, timeline
+from ringmaster.worker.runtime import agreement, autotune, current, hierarchy, host_aggregator, host_watch, timeline
 from ringmaster.worker.runtime.bootstrap import CoordinatorEndpoint, find_coordinator
 from ringmaster.worker.runtime.client import CoordinatorClient
 from ringmaster.worker.runtime.errors import NotInitializedError, RingmasterError
@@ -86,6 +86,12 @@ class Runtime:
             self.endpoint.stop(timeout_s=0)  # a coordinator this rank started must not outlive the failure
             self.route.release(kill=True)
             raise
+        # Liveness across hosts (RINGMASTER_HOST_TIMEOUT_S): this host's agent, and this rank's
+        # watch on the coordinator (host_watch.py).
+        self.host_agent = host_watch.start_host_agent(comm, config, self.endpoint.address, self.endpoint.secret)
+        self.watch = host_watch.CoordinatorWatch(
+            self.endpoint.address, self.endpoint.secret, self.rank, config.host_timeout_s, self.fail,
+            pid=host_watch.coordinator_pid(self.endpoint.process)).start()
 
     def _heartbeat(self) -> pb.Heartbeat:
         """What an idle stream sends: the gradient plans this rank waits in, its cache's cycles."""
@@ -202,6 +208,7 @@ class Runtime:
     def shutdown(self) -> None:
         self._forget_process_sets()
         waiting.set_abort_check(None)
+        self.watch.stop()
         if self.fatal_error is not None:
             return
         # The cache stops first, while every rank still answers the coordinator: its last
@@ -210,6 +217,9 @@ class Runtime:
         self.client.close()
         stopped = self.executor.stop()
         self.route.release()
+        if self.host_agent is not None:
+            self.host_agent.terminate()  # a clean end: the host has nothing left to report
+            self.host_agent = None
         self.endpoint.stop()
         self.handles.fail_all(NotInitializedError("ringmaster was shut down before this operation finished"))
         if stopped:

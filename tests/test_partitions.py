@@ -1,0 +1,187 @@
+"""Partitions, a stopped coordinator and stragglers, on the namespace cluster (tests/cluster/; issue 46).
+
+Each job is ``tests/jobs/cluster_partition.py``: a 1 MiB allreduce every 20 ms, one rank per
+host, launched by ``ringrun`` from the first host. What is checked, each bounded in time and
+each ending with no process of the job left on any host:
+
+- a straggler on host 2 is named by the stall warning, with its Python stack, and by the
+  straggler report; then host 2's link is cut mid-training (its bridge port set down, as a
+  switch port or cable failure does): the coordinator names host 2 as unreachable within the
+  host timeout (8 s), ringrun ends within its grace after that, non-zero, its last line naming
+  the cause and the host; the rank and MPI daemon left on host 2 end themselves before the
+  link comes back;
+- the coordinator is stopped (SIGSTOP, as a frozen VM is): every rank ends saying that the
+  coordinator stopped answering, and so does ringrun;
+- an elastic job (``--min-np``) whose host 3 is cut re-forms on hosts 1 and 2 within 15 s.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mpijob import job_environment
+
+from cluster.fixtures import netns_cluster, netns_cluster_factory, start_on, wait_for_no_processes  # noqa: F401, F811
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "tests" / "jobs" / "cluster_partition.py"
+#: RINGMASTER_HOST_TIMEOUT_S's default, which these tests check.
+HOST_TIMEOUT_S = 8.0
+#: ringrun's grace for mpirun after an abort (launch/abort_watch.py), and its own teardown.
+GRACE_S = 5.0
+
+
+def ringrun(cluster, *options: str, steps: int = 100_000, script_args=()):
+    return [sys.executable, "-m", "ringmaster.launch", "-np", str(len(cluster.hosts)), "-H", cluster.hosts_arg(1),
+            "--ssh-identity-file", cluster.key, "--network-interface", cluster.interface, *options,
+            sys.executable, str(TRAIN), str(steps), *map(str, script_args)]
+
+
+def set_link(host, up: bool) -> None:
+    subprocess.run(["ip", "link", "set", host.veth, "up" if up else "down"], check=True, timeout=10)
+
+
+def last_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.timeout(120)
+def test_a_straggler_then_a_cut_host_end_the_job_named_and_leave_nothing(netns_cluster):  # noqa: F811
+    """One job, two things. First a straggler: rank 1 (host 2) sleeps 30 ms before each
+    allreduce, and 3 s more before step 20 (in ``pause_here``): the stall warning (after 1 s)
+    names rank 1, and rank 1 prints its Python stack, through host 2's agent, while the job
+    goes on. Then, after step 40, host 2's link is cut: the coordinator names host 2 as
+    unreachable within the host timeout, its straggler report (at the abort) names rank 1 as
+    the straggler, ringrun ends within its grace, non-zero, its last line naming the cause
+    and the host, and the rank, agent and MPI daemon on host 2 end themselves before the
+    link comes back."""
+    cluster = netns_cluster
+    first, second = cluster.hosts
+    command = ringrun(cluster, "--stall-warning-s", "1", script_args=(1, 0.03, 20, 3.0))
+    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        job.wait_for_matches(r"STEP [01] 40\b", count=2, timeout=60)
+        cut_at = time.monotonic()
+        set_link(second, up=False)
+        try:
+            returncode = job.wait(timeout=HOST_TIMEOUT_S + GRACE_S + 20)
+            ended_s = time.monotonic() - cut_at
+            # the rank, host agent and MPI daemon on host 2 end themselves while the link is still
+            # down (2 host timeouts, then 2 s for each kill); only the sshd session that served the
+            # cut-off launcher waits for the link, to learn that its client is gone
+            left_on_second = {}
+            deadline = cut_at + 2 * HOST_TIMEOUT_S + 15
+            while time.monotonic() < deadline and (left_on_second := {
+                    pid: line for pid, line in second.processes().items() if not line.startswith("sshd: ")}):
+                time.sleep(0.2)
+            orphans_s = time.monotonic() - cut_at
+        finally:
+            set_link(second, up=True)
+    output = job.output
+    print(f"ringrun ended {ended_s:.1f} s after the cut; host 2 was empty {orphans_s:.1f} s after it")
+    # the straggler
+    assert re.search(rf"stall: .*rank 1 .*{re.escape(second.name)}", output), output[-4000:]
+    assert re.search(rf"rank 1 \(host {re.escape(second.name)}, pid \d+\) was asked for its Python stacks", output), \
+        output[-4000:]
+    # faulthandler's dump from rank 1, tagged by mpirun with its rank: the pause is on its stack
+    assert re.search(r"\[1\]:\s+File \".*cluster_partition\.py\", line \d+ in pause_here", output), output[-4000:]
+    report = output[output.index("straggler report:"):].splitlines()
+    assert f"rank 1 on {second.name}: mean lateness" in report[1], report
+    lateness_ms = float(re.search(r"mean lateness ([\d.]+) ms", report[1])[1])
+    assert 20 < lateness_ms < 300, report  # 30 ms a step, plus the 3 s pause over 40-odd steps
+    assert any(f"rank 1 on {second.name} is a straggler" in line for line in report[:12]), report
+    # the cut
+    assert returncode != 0, output[-4000:]
+    assert f"host {second.name} is unreachable" in last_line(output), output[-4000:]
+    assert last_line(output).startswith("ringrun: the job was aborted: "), output[-4000:]
+    assert ended_s < HOST_TIMEOUT_S + 2 + GRACE_S + 5, f"ringrun ended {ended_s:.1f} s after the cut\n{output}"
+    assert left_on_second == {}, f"{orphans_s:.1f} s after the cut, host 2 still runs {left_on_second}"
+    assert wait_for_no_processes(cluster) == {}
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_coordinator_ends_every_rank_saying_so(netns_cluster):  # noqa: F811
+    cluster = netns_cluster
+    first, second = cluster.hosts
+    with start_on(first, ringrun(cluster), env=job_environment(), cwd=str(ROOT)) as job:
+        job.wait_for_matches(r"STEP [01] 20\b", count=2, timeout=60)
+        [coordinator] = [pid for pid, line in first.processes().items() if "-m ringmaster.coordinator " in line]
+        stopped_at = time.monotonic()
+        os.kill(coordinator, signal.SIGSTOP)
+        try:
+            returncode = job.wait(timeout=HOST_TIMEOUT_S + GRACE_S + 20)
+        finally:
+            try:
+                os.kill(coordinator, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        ended_s = time.monotonic() - stopped_at
+    output = job.output
+    print(f"ringrun ended {ended_s:.1f} s after the coordinator was stopped")
+    assert returncode != 0, output
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: the coordinator at \S+ stopped answering", output), output
+    assert "stopped answering" in last_line(output), output
+    assert ended_s < HOST_TIMEOUT_S + 2 + GRACE_S + 5, f"ringrun ended {ended_s:.1f} s after the stop\n{output}"
+    assert wait_for_no_processes(cluster, timeout=3 * HOST_TIMEOUT_S) == {}
+
+
+ELASTIC_JOB = ROOT / "tests" / "jobs" / "elastic_train.py"
+#: how soon after the cut the job must train again on the reachable hosts (issue 46)
+REFORM_S = 15.0
+
+
+@pytest.mark.timeout(150)
+def test_an_elastic_job_reforms_on_the_reachable_hosts_after_a_cut(netns_cluster_factory, tmp_path):  # noqa: F811
+    """Host 3's link is cut mid-training under ``--min-np 2``, with default timeouts: within
+    15 s of the cut ringrun has started the job again on hosts 1 and 2 (MPI never learns of
+    the cut, so the survivors cannot shrink in place), which resumes from the last commit
+    and finishes there, its final parameters equal to the one-process replay of its
+    committed steps; nothing of the job is left on any host once the link is back."""
+    sys.path.insert(0, str(ROOT / "tests" / "jobs"))
+    import elastic_train
+
+    cluster = netns_cluster_factory(3)
+    first, _, third = cluster.hosts
+    out = tmp_path / "final.pt"
+    command = [sys.executable, "-m", "ringmaster.launch", "--ssh-identity-file", cluster.key, "--network-interface",
+               cluster.interface, "--start-timeout", "20", "-np", "3", "--min-np", "2", "-H", cluster.hosts_arg(1),
+               sys.executable, str(ELASTIC_JOB), str(out), "--step-sleep", "0.1", "--epochs", "3"]
+    with start_on(first, command, env=job_environment(), cwd=str(ROOT)) as job:
+        job.wait_for_matches(rf"STEP 0 5 rank 2 host {third.name}", count=1, timeout=60)
+        cut_at = time.monotonic()
+        set_link(third, up=False)
+        try:
+            deadline = cut_at + REFORM_S + 20
+            while "generation 1: 2 rank(s)" not in job.output and time.monotonic() < deadline:
+                time.sleep(0.1)
+            relaunched_s = time.monotonic() - cut_at
+            job.wait_for_matches(r"RESET size 2", count=2, timeout=60)
+            reformed_s = time.monotonic() - cut_at
+            returncode = job.wait(timeout=60)
+            deadline = cut_at + 2 * HOST_TIMEOUT_S + 15
+            while time.monotonic() < deadline and {
+                    pid for pid, line in third.processes().items() if not line.startswith("sshd: ")}:
+                time.sleep(0.2)
+        finally:
+            set_link(third, up=True)
+    print(f"ringrun started the job on 2 hosts {relaunched_s:.1f} s after the cut; it trained again "
+          f"{reformed_s:.1f} s after the cut")
+    assert returncode == 0, job.output[-4000:]
+    assert re.search(rf"host {re.escape(third.name)} is unreachable", job.output), job.output[-4000:]
+    assert relaunched_s < REFORM_S, f"re-formed {relaunched_s:.1f} s after the cut\n{job.output[-4000:]}"
+    record = torch.load(out, weights_only=False)
+    reference = elastic_train.replay(record["history"], elastic_train.EXAMPLES)
+    worst = max((reference[name] - record["state_dict"][name]).abs().max().item() for name in reference)
+    assert worst < 1e-5, f"final parameters differ from the replay by {worst:g}"
+    assert [size for size, _ in record["history"]][-1] == 2
+    assert wait_for_no_processes(cluster, timeout=20) == {}
+
