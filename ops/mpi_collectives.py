@@ -202,6 +202,24 @@ def alltoallv(comm: MPI.Comm, sendbuf: np.ndarray, sendcounts, recvcounts) -> np
     return recvbuf
 
 
+def checked_reducescatter_counts(comm: MPI.Comm, buffer: np.ndarray, op: str, counts) -> np.ndarray:
+    """A reducescatter's arguments checked (errors name the call and the fix); its part sizes,
+    ``np.array_split``'s for ``counts=None``, as an int64 array."""
+    name = "reducescatter"
+    _checks.check_comm(comm, name)
+    _checks.check_array(buffer, "buffer", name)
+    _checks.check_op(op, name)
+    if counts is None:
+        quotient, remainder = divmod(buffer.size, comm.Get_size())
+        counts = [quotient + (i < remainder) for i in range(comm.Get_size())]
+    counts = _checks.check_counts(counts, "counts", comm, name)
+    if int(counts.sum()) != buffer.size:
+        raise ValueError(f"{name}: counts sum to {int(counts.sum())} but buffer has "
+                         f"{buffer.size} elements; they must be equal")
+    _check_addressable(buffer, "buffer", name)
+    return counts
+
+
 def mpi_reducescatter(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", counts=None) -> np.ndarray:
     """Reduce ``buffer`` across ranks with MPI_Reduce_scatter; return this rank's part of the result.
 
@@ -212,19 +230,8 @@ def mpi_reducescatter(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", count
     ``counts=None`` means ``np.array_split`` sizes. ``buffer`` is not modified. Every
     rank passes the same length, dtype, op and counts.
     """
-    name = "reducescatter"
-    _checks.check_comm(comm, name)
-    _checks.check_array(buffer, "buffer", name)
-    _checks.check_op(op, name)
+    counts = checked_reducescatter_counts(comm, buffer, op, counts)
     size = comm.Get_size()
-    if counts is None:
-        quotient, remainder = divmod(buffer.size, size)
-        counts = [quotient + (i < remainder) for i in range(size)]
-    counts = _checks.check_counts(counts, "counts", comm, name)
-    if int(counts.sum()) != buffer.size:
-        raise ValueError(f"{name}: counts sum to {int(counts.sum())} but buffer has "
-                         f"{buffer.size} elements; they must be equal")
-    _check_addressable(buffer, "buffer", name)
     mine = int(counts[comm.Get_rank()])
     if size == 1:
         return buffer.copy()

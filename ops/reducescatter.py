@@ -24,10 +24,10 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from . import _checks, traffic
+from . import traffic
 from .allreduce import MIB, ring_min_bytes
 from .dtypes import numpy_ufunc
-from .mpi_collectives import mpi_reducescatter
+from .mpi_collectives import checked_reducescatter_counts, mpi_reducescatter
 from .waiting import wait_all
 
 #: When :func:`reducescatter` uses the ring: the smallest buffer (bytes) per communicator size
@@ -57,20 +57,10 @@ def reducescatter(comm: MPI.Comm, buffer: np.ndarray, op: str = "sum", counts=No
     allowed; ``sum(counts) == buffer.size``); rank i gets part i as a new array.
     ``counts=None`` means ``np.array_split`` sizes. ``buffer`` is not modified. Every
     rank passes the same length, dtype, op and counts, so every rank picks the same
-    algorithm: the ring from the allreduce's crossover up, MPI_Reduce_scatter below.
+    algorithm: the ring from :func:`ring_min_bytes_for` up, MPI_Reduce_scatter below.
     """
-    name = "reducescatter"
-    _checks.check_comm(comm, name)
-    _checks.check_array(buffer, "buffer", name)
-    _checks.check_op(op, name)
+    counts = checked_reducescatter_counts(comm, buffer, op, counts)
     size = comm.Get_size()
-    if counts is None:
-        quotient, remainder = divmod(buffer.size, size)
-        counts = [quotient + (i < remainder) for i in range(size)]
-    counts = _checks.check_counts(counts, "counts", comm, name)
-    if int(counts.sum()) != buffer.size:
-        raise ValueError(f"{name}: counts sum to {int(counts.sum())} but buffer has "
-                         f"{buffer.size} elements; they must be equal")
     if size == 1:
         return buffer.copy()
     if buffer.nbytes >= ring_min_bytes_for(size, buffer.dtype, op):
