@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ringmaster.worker.compression.compressors import Compression, wire_format
+from ringmaster.worker.frontend.gradient_hooks import remove_hooks, weak_gradient_hook
 from ringmaster.worker.frontend import collectives, low_rank
 from ringmaster.worker.frontend.bucket_updates import can_update_per_bucket, step_hooks
 from ringmaster.worker.frontend.adasum_optimizer import _DistributedAdasumOptimizer
@@ -92,10 +93,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     setup(sizes, process_set, calibrated)
         # Outside its process set a rank trains alone: nothing to reduce, as with one rank.
         if process_set.included() and process_set.size() > 1:
-            hook = _weak_hook(self)
+            hook = weak_gradient_hook(self)
             self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._requires_update]
             # A discarded optimizer must not keep reducing its parameters' gradients.
-            weakref.finalize(self, _remove_hooks, list(self._hooks))
+            weakref.finalize(self, remove_hooks, list(self._hooks))
 
     # ------------------------------------------------------------------ hooks
     def _gradient_ready(self, p: torch.Tensor) -> None:
@@ -369,22 +370,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  "being reduced. Call step() (or synchronize()) first")
         return super(self._ringmaster_base, self).zero_grad(set_to_none=set_to_none)
 
-
-def _weak_hook(optimizer: _DistributedOptimizer):
-    """A gradient hook that holds the optimizer weakly (parameters outlive their optimizers)."""
-    reference = weakref.ref(optimizer)
-
-    def gradient_ready(p: torch.Tensor) -> None:
-        live = reference()
-        if live is not None:
-            live._gradient_ready(p)
-
-    return gradient_ready
-
-
-def _remove_hooks(handles) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,

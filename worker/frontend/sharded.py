@@ -44,6 +44,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ringmaster.worker.compression.compressors import Compression, wire_format
+from ringmaster.worker.frontend.gradient_hooks import remove_hooks, weak_gradient_hook
 from ringmaster.worker.frontend import collectives
 from ringmaster.worker.frontend import sharded_checkpoint
 from ringmaster.worker.frontend.bucket_updates import PER_PARAMETER_OPTIMIZERS, step_hooks, step_parameters
@@ -124,9 +125,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._forward_hooks = []
         self._hooks = []
-        hook = _weak_hook(self)
+        hook = weak_gradient_hook(self)
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        weakref.finalize(self, remove_hooks, self._hooks)
         if overlap_forward is not None:
             self._hook_forward(overlap_forward)
         if optimizer.state:  # state built before wrapping: shard it
@@ -306,7 +307,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     live.wait_parameters(buckets)
 
             self._forward_hooks.append(sub.register_forward_pre_hook(before_forward))
-        weakref.finalize(self, _remove_hooks, self._forward_hooks)
+        weakref.finalize(self, remove_hooks, self._forward_hooks)
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the parameters' gradients; refused while their reduce-scatters are in flight."""
@@ -425,21 +426,6 @@ def _names(optimizer, named_parameters) -> Dict[torch.Tensor, str]:
         names.setdefault(item[1], item[0])
     return names
 
-
-def _weak_hook(optimizer: ZeroOptimizer):
-    reference = weakref.ref(optimizer)
-
-    def gradient_ready(p: torch.Tensor) -> None:
-        live = reference()
-        if live is not None:
-            live._gradient_ready(p)
-
-    return gradient_ready
-
-
-def _remove_hooks(handles) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 def refuse_elastic(optimizer) -> None:
