@@ -25,10 +25,7 @@ over the rounds), and its ratios to ``unsharded`` and ``ddp-zero``.
 """
 
 import argparse
-import os
-import socket
 import statistics
-import sys
 import time
 
 import torch
@@ -38,25 +35,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import ringmaster as rm
+from train import init_gloo, progress  # bench/train.py: the same gloo set-up and progress lines
 
 MODES = ("unsharded", "sharded", "sharded-overlap", "ddp-zero")
 WIDTH, LAYERS = 2048, 12
 
 
-def progress(text):
-    if rm.rank() == 0:
-        print(f"[bench] {text}", file=sys.stderr, flush=True)
-
-
-def init_gloo():
-    port = None
-    if rm.rank() == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(rm.broadcast_object(port, root_rank=0))
-    dist.init_process_group("gloo", rank=rm.rank(), world_size=rm.size())
 
 
 def model():
