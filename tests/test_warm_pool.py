@@ -76,10 +76,14 @@ def test_signals_to_the_client_reach_the_rank(pool_env):
     assert process.wait(timeout=20) == 7
 
 
-def test_a_rank_dies_with_its_client(pool_env):
-    process = start(pool_env, """
-        import os, time
+@pytest.mark.parametrize("state", ["running", "stopped"])
+def test_a_rank_dies_with_its_client(pool_env, state):
+    """A stopped rank (as tests/test_failures.py makes one) cannot act on SIGIO: the zygote kills it."""
+    process = start(pool_env, f"""
+        import os, signal, time
         print(os.getpid(), flush=True)
+        if {state!r} == "stopped":
+            os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(60)
     """)
     rank = int(process.stdout.readline())

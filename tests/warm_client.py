@@ -13,7 +13,7 @@ import sys
 import warm_pool
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
-                     signal.SIGQUIT, signal.SIGALRM)
+                     signal.SIGQUIT, signal.SIGALRM, signal.SIGCONT)
 
 
 def become_python(arguments):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -157,13 +158,17 @@ class WarmPool:
         return {POOL_DIR: self.directory, POOL_SIZE: str(SERVERS)}
 
     def stop(self) -> None:
+        """Close the zygotes' stdin (each kills the children it still has, then ends); kill the slow."""
         for server in self.servers:
-            if server.poll() is None:
+            server.stdin.close()
+        for server in self.servers:
+            try:
+                server.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 server.kill()
-            server.wait()
-            if server.stdin:
-                server.stdin.close()
+                server.wait()
         self.servers = []
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 _pool: Optional[WarmPool] = None

@@ -50,85 +50,98 @@ def refusal(request: dict) -> str:
     return f"start-up variables differ: {', '.join(differing)}" if differing else ""
 
 
-def serve(path: str) -> None:
-    preload()
-    default_path = base_path()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    children = {}  # pid -> the client's connection, which gets the child's end
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(wake_read, selectors.EVENT_READ, "reap")
-    selector.register(sys.stdin, selectors.EVENT_READ, "parent")
-    while True:
-        for key, _ in selector.select():
-            if key.data == "parent":  # the pytest process ended
-                for pid in children:
-                    _kill(pid)
-                return
-            if key.data == "reap":
-                os.read(wake_read, 4096)
-                reap(children)
-                continue
-            connection, _ = listener.accept()
-            connection.settimeout(10)
-            try:
-                request, fds = warm_pool.receive_request(connection, max_fds=4)
-            except (OSError, ValueError):
-                connection.close()
-                continue
-            reason = refusal(request) if request and len(fds) == 4 else "a malformed request"
-            if reason:
-                _close(fds)
-                _reply(connection, {"refused": reason})
-                connection.close()
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                # Closed through their objects: a socket object left holding a closed number
-                # would close it again when collected, by then some MPI descriptor of the rank.
-                selector.close()
-                for sock in (listener, connection, *children.values()):
-                    sock.close()
-                os.close(wake_read)
-                os.close(wake_write)
-                become_rank(request, fds, default_path)  # never returns
-            _close(fds)
-            children[pid] = connection
-            _reply(connection, {"pid": pid})
-        reap(children)
+class Zygote:
+    """The fork server: one listening socket, and the connection of each live child's client."""
 
+    def __init__(self, path: str):
+        self.default_path = base_path()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(64)
+        self.wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_write, False)
+        signal.set_wakeup_fd(wake_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.children = {}  # pid -> its client's connection
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_read, selectors.EVENT_READ, "reap")
+        self.selector.register(sys.stdin, selectors.EVENT_READ, "parent")
 
-def reap(children: dict) -> None:
-    """Tell each finished child's client how it ended."""
-    while children:
+    def serve(self) -> None:
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "parent":  # the pytest process ended
+                    for pid in self.children:
+                        _kill(pid)
+                    return
+                if key.data == "reap":
+                    os.read(self.wake_read, 4096)
+                elif key.data == "accept":
+                    self.accept()
+                else:  # a client went away before its child: the child goes too, stopped or not
+                    self.selector.unregister(key.fileobj)
+                    _kill(key.data)
+            self.reap()
+
+    def accept(self) -> None:
+        connection, _ = self.listener.accept()
+        connection.settimeout(10)
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+            request, fds = warm_pool.receive_request(connection, max_fds=4)
+        except (OSError, ValueError):
+            connection.close()
             return
+        reason = refusal(request) if request and len(fds) == 4 else "a malformed request"
+        if reason:
+            _close(fds)
+            _reply(connection, {"refused": reason})
+            connection.close()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
         if pid == 0:
-            return
-        connection = children.pop(pid, None)
-        if connection is None:
-            continue
-        if os.WIFSIGNALED(status):
-            _reply(connection, {"signal": os.WTERMSIG(status)})
-        else:
-            _reply(connection, {"code": os.waitstatus_to_exitcode(status)})
-        connection.close()
+            self.close_in_child(connection)
+            become_rank(request, fds, self.default_path)  # never returns
+        _close(fds)
+        self.children[pid] = connection
+        self.selector.register(connection, selectors.EVENT_READ, pid)
+        _reply(connection, {"pid": pid})
+
+    def close_in_child(self, connection: socket.socket) -> None:
+        """Close what the zygote holds, through the objects: a socket object left holding a
+        closed number would close it again when collected, by then some MPI descriptor."""
+        self.selector.close()
+        for sock in (self.listener, connection, *self.children.values()):
+            sock.close()
+        os.close(self.wake_read)
+        os.close(signal.set_wakeup_fd(-1))
+
+    def reap(self) -> None:
+        """Tell each finished child's client how it ended."""
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            connection = self.children.pop(pid, None)
+            if connection is None:
+                continue
+            if connection in (key.fileobj for key in self.selector.get_map().values()):
+                self.selector.unregister(connection)
+            if os.WIFSIGNALED(status):
+                _reply(connection, {"signal": os.WTERMSIG(status)})
+            else:
+                _reply(connection, {"code": os.waitstatus_to_exitcode(status)})
+            connection.close()
 
 
 def become_rank(request: dict, fds, default_path) -> None:
     """Turn this forked child into ``python ARGV`` as the client would have run it, and run it;
     ends the process (SystemExit) with the program's exit code."""
-    signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()
     stdin, stdout, stderr, watch = fds
@@ -201,4 +214,5 @@ def _kill(pid: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    preload()
+    Zygote(sys.argv[1]).serve()
