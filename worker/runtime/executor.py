@@ -30,7 +30,7 @@ from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto.operations import ops_where
 from ringmaster.worker.runtime import timeline
-from ringmaster.worker.runtime.allreduce_paths import OPS_REDUCTION, AllreducePaths, _scale_, postscale
+from ringmaster.worker.runtime.allreduce_paths import OPS_REDUCTION, AllreducePaths, postscale, scale_
 from ringmaster.worker.runtime.device import Devices
 from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable, complete, take  # noqa: F401 (Entry)
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
@@ -331,7 +331,7 @@ class Executor:
         rows = reducescatter_rows(tensor.shape[0], group.size)
         row_count = math.prod(tensor.shape[1:])
         work = tensor.to(wire_dtype).reshape(-1).clone()
-        _scale_(work, response.prescale_factor)
+        scale_(work, response.prescale_factor)
         result = device.empty((rows[group.rank] * row_count,), wire_dtype)
         device.transport(group).reducescatter(device.array(work), device.array(result),
                                               OPS_REDUCTION[response.reduce_op], [r * row_count for r in rows])
