@@ -16,9 +16,9 @@ a room, not here.
 
 from ringmaster.ops.traffic import bytes_sent
 from ringmaster.worker.compression.compressors import Compression, Compressor
-from ringmaster.worker.frontend.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                                                   mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                                                   rocm_built)
+from ringmaster.worker.frontend.build_info import (ccl_built, compiled_built, cuda_built, ddl_built, gloo_built,
+                                                   gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported,
+                                                   nccl_built, rocm_built)
 from ringmaster.worker.frontend.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather_async,
                                                     allreduce_, allreduce_async, allreduce_async_, alltoall_async,
                                                     barrier, broadcast_, broadcast_async, broadcast_async_,

@@ -8,6 +8,15 @@ def mpi_built() -> bool:
     return True
 
 
+def compiled_built() -> bool:
+    """True: the per-call path runs compiled (Cython); False: its Python form runs (no C compiler at
+    install time, or ``RINGMASTER_COMPILED=0``). See ``ringmaster.common.compiled``."""
+    from ringmaster.common import compiled
+    from ringmaster.worker.runtime import response_cache
+
+    return compiled.running_compiled(response_cache)
+
+
 def mpi_enabled() -> bool:
     """True: MPI is the transport of every job."""
     return True

@@ -1,0 +1,71 @@
+"""Which modules of the per-call path are compiled, and which form of them runs.
+
+The per-call path (submitting, the response cache's cycle, completing handles, the copies
+and the waits of a cycle) is compiled with Cython from the very ``.py`` files listed in
+:data:`MODULES`: one source, two forms. ``pip install`` builds the extensions (setup.py,
+which reads this list); the compiled form of a module sits beside its ``.py`` file and
+Python's import system prefers it. So nothing can drift apart: the state machine of the
+cache (``cache_protocol.Phase`` and its moves), the messages and the checks are the same
+lines in both forms, and the tests that import a module test the form that runs.
+
+``RINGMASTER_COMPILED=0`` in the environment, before ``import ringmaster``, runs the
+``.py`` files instead (:func:`install`); CI runs the fast path's tests both ways. Without
+a C compiler at install time the build warns and the ``.py`` files run.
+
+This module imports nothing of ringmaster: setup.py reads it before the package exists.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+#: The modules compiled, as imported.
+MODULES = (
+    "ringmaster.ops.traffic",
+    "ringmaster.ops.waiting",
+    "ringmaster.worker.runtime.cache_payload",
+    "ringmaster.worker.runtime.cache_protocol",
+    "ringmaster.worker.runtime.entries",
+    "ringmaster.worker.runtime.executor",
+    "ringmaster.worker.runtime.allreduce_paths",
+    "ringmaster.worker.runtime.handles",
+    "ringmaster.worker.runtime.response_cache",
+    "ringmaster.worker.runtime.tensors",
+    "ringmaster.worker.frontend.collectives",
+)
+
+#: Set to 0 to run the ``.py`` files of :data:`MODULES` although their compiled form is built.
+ENVIRONMENT = "RINGMASTER_COMPILED"
+
+
+def wanted() -> bool:
+    """False when the environment asks for the Python form (``RINGMASTER_COMPILED=0``)."""
+    return os.environ.get(ENVIRONMENT, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class _PythonForm(importlib.abc.MetaPathFinder):
+    """Finds the ``.py`` file of a compiled module, where the import system would take the extension."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.origin is None or spec.origin.endswith(".py"):
+            return spec
+        source = os.path.join(os.path.dirname(spec.origin), fullname.rpartition(".")[2] + ".py")
+        return importlib.util.spec_from_file_location(fullname, source) if os.path.exists(source) else spec
+
+
+def install() -> None:
+    """Run the Python form if the environment asks for it (called by ``import ringmaster``)."""
+    if not wanted() and not any(isinstance(finder, _PythonForm) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PythonForm())
+
+
+def running_compiled(module) -> bool:
+    """Whether ``module`` (an imported module of :data:`MODULES`) is its compiled form."""
+    return not (getattr(module, "__file__", None) or "").endswith(".py")
