@@ -53,6 +53,21 @@ class OptionalBuildExt(build_ext):
         sys.stderr.write(f"WARNING: {NO_COMPILER}\n({type(error).__name__}: {error})\n")
 
 
+def _pxd_tree() -> str:
+    """A tree where Cython finds each module's .pxd under its import name (ringmaster/worker/...):
+    the package-dir mapping of pyproject.toml, as links. The .pxd beside a .py gives the static
+    types of its compiled form."""
+    root = os.path.join(HERE, "build", "cython-include")
+    package = os.path.join(root, "ringmaster")
+    os.makedirs(package, exist_ok=True)
+    open(os.path.join(package, "__init__.pxd"), "a").close()
+    for name in ("worker", "ops", "common"):
+        link = os.path.join(package, name)
+        if not os.path.islink(link):
+            os.symlink(os.path.join(HERE, name), link)
+    return root
+
+
 def _extensions():
     try:
         from Cython.Build import cythonize
@@ -64,7 +79,7 @@ def _extensions():
 
     modules = _compiled_list()
     extensions = [Extension(module, [_source(module)]) for module in modules]
-    return cythonize(extensions, language_level=3, quiet=True,
+    return cythonize(extensions, language_level=3, quiet=True, include_path=[_pxd_tree()],
                      # Annotations are documentation here, never C types: both forms accept the same values.
                      compiler_directives={"annotation_typing": False, "binding": True,
                                           "embedsignature": False})

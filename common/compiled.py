@@ -25,17 +25,10 @@ import sys
 
 #: The modules compiled, as imported.
 MODULES = (
-    "ringmaster.ops.traffic",
-    "ringmaster.ops.waiting",
-    "ringmaster.worker.runtime.cache_payload",
     "ringmaster.worker.runtime.cache_protocol",
     "ringmaster.worker.runtime.entries",
-    "ringmaster.worker.runtime.executor",
-    "ringmaster.worker.runtime.allreduce_paths",
     "ringmaster.worker.runtime.handles",
     "ringmaster.worker.runtime.response_cache",
-    "ringmaster.worker.runtime.tensors",
-    "ringmaster.worker.frontend.collectives",
 )
 
 #: Set to 0 to run the ``.py`` files of :data:`MODULES` although their compiled form is built.
@@ -50,8 +43,11 @@ def wanted() -> bool:
 class _PythonForm(importlib.abc.MetaPathFinder):
     """Finds the ``.py`` file of a compiled module, where the import system would take the extension."""
 
+    def __init__(self, names=MODULES):
+        self.names = names
+
     def find_spec(self, fullname, path, target=None):
-        if fullname not in MODULES:
+        if fullname not in self.names:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.origin is None or spec.origin.endswith(".py"):
@@ -62,8 +58,13 @@ class _PythonForm(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Run the Python form if the environment asks for it (called by ``import ringmaster``)."""
-    if not wanted() and not any(isinstance(finder, _PythonForm) for finder in sys.meta_path):
+    if any(isinstance(finder, _PythonForm) for finder in sys.meta_path):
+        return
+    if not wanted():
         sys.meta_path.insert(0, _PythonForm())
+    elif os.environ.get("RINGMASTER_PYTHON_MODULES"):  # a comma-separated list: these run as Python (bisecting)
+        names = {name.strip() for name in os.environ["RINGMASTER_PYTHON_MODULES"].split(",")}
+        sys.meta_path.insert(0, _PythonForm(tuple(m for m in MODULES if m.rpartition(".")[2] in names)))
 
 
 def running_compiled(module) -> bool:
