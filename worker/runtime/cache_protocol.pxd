@@ -1,7 +1,5 @@
 # Static types for the compiled form of cache_protocol.py (the .py file stays the one source).
-cdef class SlotTable:
-    cdef public object capacity, ranks, slots, _by_signature, _by_key
-
+# SlotTable stays a Python class: the schedule explorer counts evictions by wrapping its insert().
 cdef class CacheProtocol:
     cdef public object table
     cdef public object dormant_after_s, withdraw_after_s, phase, _slept_in, peer_left, pending, waiting, queued

@@ -1,0 +1,84 @@
+"""The compiled per-call path (common/compiled.py): which form runs, and the switch between them.
+
+Each check runs in a fresh interpreter (the form is chosen at import). The fast path's own
+tests (the response cache's, the schedule explorer) run against the compiled form by default
+and, in CI, a second time with ``RINGMASTER_COMPILED=0`` (.ci/run).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ringmaster.common import compiled
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(120)
+
+PROBE = """
+import json, ringmaster
+from ringmaster.common import compiled
+from ringmaster.worker.frontend.build_info import compiled_built
+import importlib
+forms = {name: compiled.running_compiled(importlib.import_module(name)) for name in compiled.MODULES}
+from ringmaster.worker.runtime import cache_protocol, response_cache
+print(json.dumps({"built": compiled_built(), "forms": forms,
+                  "same_phase": response_cache.Phase is cache_protocol.Phase}))
+"""
+
+
+def probe(**environment) -> dict:
+    import json
+
+    env = {key: value for key, value in os.environ.items() if key != compiled.ENVIRONMENT}
+    env.update(environment)
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def built() -> bool:
+    """Whether this checkout has the compiled form of every listed module."""
+    for name in compiled.MODULES:
+        folder = ROOT.joinpath(*name.split(".")[1:-1])
+        if not any(path.suffix in (".so", ".pyd") for path in folder.glob(name.rpartition(".")[2] + ".*")):
+            return False
+    return True
+
+
+def test_the_environment_switch_runs_every_listed_module_as_python():
+    result = probe(RINGMASTER_COMPILED="0")
+    assert result["built"] is False
+    assert result["forms"] == {name: False for name in compiled.MODULES}
+    assert result["same_phase"]  # the driver reads the protocol's Phase, whichever form runs
+
+
+def test_the_compiled_form_runs_where_it_is_built():
+    if not built():
+        if os.environ.get("RINGMASTER_REQUIRE_COMPILED") == "1":
+            pytest.fail("RINGMASTER_REQUIRE_COMPILED=1 but the per-call path is not compiled: "
+                        "run `pip install -e .` with a C compiler present")
+        pytest.skip("the per-call path is not compiled here (no C compiler at install time)")
+    result = probe()
+    assert result["built"] is True
+    assert result["forms"] == {name: True for name in compiled.MODULES}
+    assert result["same_phase"]
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off", "no"])
+def test_the_switch_reads_the_usual_spellings_of_off(value, monkeypatch):
+    monkeypatch.setenv(compiled.ENVIRONMENT, value)
+    assert not compiled.wanted()
+
+
+def test_every_compiled_module_keeps_its_python_source():
+    """One source: each compiled module is built from its .py file, which must exist (and is
+    what RINGMASTER_COMPILED=0 and a machine without a compiler run)."""
+    for name in compiled.MODULES:
+        source = ROOT.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        assert source.is_file(), f"{name}: {source} is missing"
