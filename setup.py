@@ -14,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_COMPILER = ("ringmaster: no working C compiler, so the per-call path is installed in its Python form "
-               "only (about 3x slower per small collective). Install one (Debian/Ubuntu: apt-get install "
+               "only (rm.compiled_built() is False). Install one (Debian/Ubuntu: apt-get install "
                "gcc python3-dev; RHEL: dnf install gcc python3-devel; macOS: xcode-select --install) and "
                "reinstall. RINGMASTER_REQUIRE_COMPILED=1 makes this an error.")
 
@@ -35,6 +35,8 @@ def _source(module: str) -> str:
 class OptionalBuildExt(build_ext):
     """build_ext that falls back to the Python form when no C compiler works."""
 
+    _warned = False
+
     def run(self):
         try:
             super().run()
@@ -50,7 +52,9 @@ class OptionalBuildExt(build_ext):
     def _give_up(self, error):
         if os.environ.get("RINGMASTER_REQUIRE_COMPILED") == "1":
             raise SystemExit(f"{NO_COMPILER}\n({type(error).__name__}: {error})")
-        sys.stderr.write(f"WARNING: {NO_COMPILER}\n({type(error).__name__}: {error})\n")
+        if not OptionalBuildExt._warned:
+            OptionalBuildExt._warned = True
+            sys.stderr.write(f"WARNING: {NO_COMPILER}\n({type(error).__name__}: {error})\n")
 
 
 def _pxd_tree() -> str:
