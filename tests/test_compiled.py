@@ -2,7 +2,8 @@
 
 Each check runs in a fresh interpreter (the form is chosen at import). The fast path's own
 tests (the response cache's, the schedule explorer) run against the compiled form by default
-and, in CI, a second time with ``RINGMASTER_COMPILED=0`` (.ci/run).
+and a second time with ``RINGMASTER_COMPILED=0`` from here (the test at the end), so that CI,
+which runs README's one test command, covers both forms.
 """
 
 from __future__ import annotations
@@ -82,3 +83,23 @@ def test_every_compiled_module_keeps_its_python_source():
     for name in compiled.MODULES:
         source = ROOT.joinpath(*name.split(".")[1:]).with_suffix(".py")
         assert source.is_file(), f"{name}: {source} is missing"
+
+
+#: The fast path's tests that run again against the Python form: the schedule explorer and the
+#: cache driver (in-process, every decision of the protocol and its driver) and the real 2-rank
+#: job whose carried results must equal negotiated ones bit for bit. The whole suite runs the
+#: compiled form; CI runs README's one test command, so the second form runs from here.
+PYTHON_FORM_TESTS = ["tests/test_cache_schedules.py", "tests/test_cache_driver.py",
+                     "tests/test_cache_payload.py::test_carried_results_equal_negotiated_ones_bit_for_bit[2]"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_fast_paths_tests_pass_against_the_python_form():
+    if not built():
+        pytest.skip("only the Python form is installed here: the suite itself runs it")
+    env = dict(os.environ, **{compiled.ENVIRONMENT: "0"})
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PYTHON_FORM_TESTS],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=560)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
