@@ -9,8 +9,10 @@ cache (``cache_protocol.Phase`` and its moves), the messages and the checks are 
 lines in both forms, and the tests that import a module test the form that runs.
 
 ``RINGMASTER_COMPILED=0`` in the environment, before ``import ringmaster``, runs the
-``.py`` files instead (:func:`install`); CI runs the fast path's tests both ways. Without
-a C compiler at install time the build warns and the ``.py`` files run.
+``.py`` files instead (:func:`install`); so does a ``.py`` (or ``.pxd``) edited after it was
+compiled, with a warning, so that an edit always runs. ``RINGMASTER_PYTHON_MODULES=a,b`` runs
+only the named ones as Python (for comparing the forms part by part). Without a C compiler at
+install time the build warns and the ``.py`` files run.
 
 This module imports nothing of ringmaster: setup.py reads it before the package exists.
 """
@@ -41,10 +43,14 @@ def wanted() -> bool:
 
 
 class _PythonForm(importlib.abc.MetaPathFinder):
-    """Finds the ``.py`` file of a compiled module, where the import system would take the extension."""
+    """Finds the ``.py`` file of a compiled module where the import system would take the extension:
+    for every listed module when ``forced`` (``RINGMASTER_COMPILED=0``), otherwise only for one whose
+    ``.py`` or ``.pxd`` changed after it was compiled (an editable install whose source was edited:
+    the edit runs, with a warning, until ``pip install -e .`` compiles it again)."""
 
-    def __init__(self, names=MODULES):
+    def __init__(self, names=MODULES, forced: bool = True):
         self.names = names
+        self.forced = forced
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in self.names:
@@ -53,11 +59,24 @@ class _PythonForm(importlib.abc.MetaPathFinder):
         if spec is None or spec.origin is None or spec.origin.endswith(".py"):
             return spec
         source = os.path.join(os.path.dirname(spec.origin), fullname.rpartition(".")[2] + ".py")
-        return importlib.util.spec_from_file_location(fullname, source) if os.path.exists(source) else spec
+        if not os.path.exists(source):
+            return spec
+        if not self.forced:
+            if not _stale(spec.origin, source):
+                return spec
+            sys.stderr.write(f"ringmaster: {source} (or its .pxd) changed after it was compiled: running it as "
+                             f"Python; `pip install -e .` compiles it again\n")
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+def _stale(extension: str, source: str) -> bool:
+    built = os.path.getmtime(extension)
+    declarations = source[:-3] + ".pxd"
+    return os.path.getmtime(source) > built or (os.path.exists(declarations) and os.path.getmtime(declarations) > built)
 
 
 def install() -> None:
-    """Run the Python form if the environment asks for it (called by ``import ringmaster``)."""
+    """Choose the form of each listed module before any is imported (called by ``import ringmaster``)."""
     if any(isinstance(finder, _PythonForm) for finder in sys.meta_path):
         return
     if not wanted():
@@ -65,6 +84,8 @@ def install() -> None:
     elif os.environ.get("RINGMASTER_PYTHON_MODULES"):  # a comma-separated list: these run as Python (bisecting)
         names = {name.strip() for name in os.environ["RINGMASTER_PYTHON_MODULES"].split(",")}
         sys.meta_path.insert(0, _PythonForm(tuple(m for m in MODULES if m.rpartition(".")[2] in names)))
+    else:
+        sys.meta_path.insert(0, _PythonForm(forced=False))
 
 
 def running_compiled(module) -> bool:

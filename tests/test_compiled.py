@@ -103,3 +103,25 @@ def test_the_fast_paths_tests_pass_against_the_python_form():
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=560)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+
+
+def test_a_source_edited_after_compiling_runs_as_python(tmp_path, capsys):
+    """An editable install whose .py (or .pxd) changed since it was compiled runs the edit, with a
+    warning, rather than the stale extension."""
+    import importlib.machinery
+
+    source = tmp_path / "mod.py"
+    extension = tmp_path / f"mod{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    declarations = tmp_path / "mod.pxd"
+    for path, when in ((source, 100), (declarations, 100), (extension, 200)):
+        path.write_text("")
+        os.utime(path, (when, when))
+    finder = compiled._PythonForm(names=("pkg.mod",), forced=False)
+    assert finder.find_spec("pkg.mod", [str(tmp_path)]).origin == str(extension)
+    for edited in (source, declarations):
+        os.utime(edited, (300, 300))
+        assert finder.find_spec("pkg.mod", [str(tmp_path)]).origin == str(source)
+        assert "changed after it was compiled" in capsys.readouterr().err
+        os.utime(edited, (100, 100))
+    forced = compiled._PythonForm(names=("pkg.mod",))
+    assert forced.find_spec("pkg.mod", [str(tmp_path)]).origin == str(source)

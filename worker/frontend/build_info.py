@@ -9,12 +9,14 @@ def mpi_built() -> bool:
 
 
 def compiled_built() -> bool:
-    """True: the per-call path runs compiled (Cython); False: its Python form runs (no C compiler at
-    install time, or ``RINGMASTER_COMPILED=0``). See ``ringmaster.common.compiled``."""
-    from ringmaster.common import compiled
-    from ringmaster.worker.runtime import response_cache
+    """True: the per-call path runs compiled (Cython), every module of it; False: its Python form runs,
+    in part or whole (no C compiler at install time, ``RINGMASTER_COMPILED=0``, or a source edited
+    since it was compiled). See ``ringmaster.common.compiled``."""
+    import importlib
 
-    return compiled.running_compiled(response_cache)
+    from ringmaster.common import compiled
+
+    return all(compiled.running_compiled(importlib.import_module(name)) for name in compiled.MODULES)
 
 
 def mpi_enabled() -> bool:
