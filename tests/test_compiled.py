@@ -125,3 +125,51 @@ def test_a_source_edited_after_compiling_runs_as_python(tmp_path, capsys):
         os.utime(edited, (100, 100))
     forced = compiled._PythonForm(names=("pkg.mod",))
     assert forced.find_spec("pkg.mod", [str(tmp_path)]).origin == str(source)
+
+
+def _assigned_attributes(class_node) -> set:
+    """Attributes its methods assign on ``self`` (``self.x = ``, ``self.x, self.y = ``, ``self.x += ``)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(class_node):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                isinstance(node.value, ast.Name) and node.value.id == "self":
+            names.add(node.attr)
+    return names
+
+
+def _declared_attributes(pxd_text: str) -> dict:
+    """``cdef class`` name -> the attributes its ``cdef public`` lines declare."""
+    import re
+
+    classes, current = {}, None
+    for line in pxd_text.splitlines():
+        match = re.match(r"cdef class (\w+)", line)
+        if match:
+            current = classes.setdefault(match.group(1), set())
+            continue
+        match = re.match(r"\s+cdef (?:public |readonly )?\w+ (.+)", line)
+        if match and current is not None:
+            current.update(name.strip() for name in match.group(1).split(","))
+    return classes
+
+
+@pytest.mark.parametrize("module", compiled.MODULES)
+def test_every_attribute_a_compiled_class_sets_is_declared_in_its_pxd(module):
+    """An extension type has only the fields its .pxd declares: an attribute assigned in the .py and
+    missing there would be an AttributeError in the compiled form alone. Checked on the source, so
+    that it fails where nothing is compiled too."""
+    import ast
+
+    source = ROOT.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    pxd = source.with_suffix(".pxd")
+    if not pxd.exists():
+        return
+    declared = _declared_attributes(pxd.read_text())
+    classes = {node.name: node for node in ast.parse(source.read_text()).body if isinstance(node, ast.ClassDef)}
+    for name, fields in declared.items():
+        assert name in classes, f"{pxd.name} declares class {name}, which {source.name} does not define"
+        missing = _assigned_attributes(classes[name]) - fields
+        assert not missing, (f"{source.name}: {name} assigns {sorted(missing)}, which {pxd.name} does not declare; "
+                             f"add them to its `cdef public object ...` lines")
