@@ -63,7 +63,7 @@ import grpc
 
 from ringmaster.common.message_size import grpc_options
 from ringmaster.coordinator.aggregator import HostAggregator
-from ringmaster.coordinator.auth import call_metadata
+from ringmaster.proto.auth import call_metadata
 from ringmaster.coordinator.host_merge import HOLD_S
 from ringmaster.launch.coordinator_process import CoordinatorProcess
 from ringmaster.proto import ringmaster_pb2 as pb

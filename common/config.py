@@ -11,6 +11,8 @@ import os
 import textwrap
 from typing import Any, Callable, Mapping, Optional, Tuple
 
+from ringmaster.common.transports import gpu_transport_choices
+
 MIB = 1024 * 1024
 
 
@@ -132,8 +134,16 @@ MIN_MESSAGE_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 1 << 30
 #: The most slots a response cache may have: each costs one integer in every cycle's allreduce.
 MAX_CACHE_CAPACITY = 1 << 16
-#: Values of RINGMASTER_GPU_TRANSPORT (see ringmaster.ops.gpu).
-GPU_TRANSPORTS = ("auto", "nccl", "ipc", "mpi", "staged")
+
+
+def _gpu_transport(value: str) -> str:
+    """A parser of RINGMASTER_GPU_TRANSPORT: ``auto`` or a transport registered for CUDA
+    (``common/transports.py``), asked when the value is read, so that a transport the training
+    script registered before ``rm.init()`` is one. Its ``choices`` (ringrun's flag) are ringmaster's own."""
+    return _choice(*gpu_transport_choices())(value)
+
+
+_gpu_transport.choices = gpu_transport_choices()
 
 _SECONDS = _number(0, above=True)
 _SECONDS_OR_NEVER = _number(0)
@@ -258,7 +268,7 @@ SETTINGS: Tuple[Setting, ...] = (
                     must=f"a whole number from 0 (no cache) to {MAX_CACHE_CAPACITY}"), "--cache-capacity",
             "negotiated collectives each rank's response cache keeps, so that calling one again skips "
             "the coordinator (0: no cache)", metavar="N"),
-    Setting("RINGMASTER_GPU_TRANSPORT", "gpu_transport", _choice(*GPU_TRANSPORTS), "--gpu-transport",
+    Setting("RINGMASTER_GPU_TRANSPORT", "gpu_transport", _gpu_transport, "--gpu-transport",
             "how collectives of CUDA tensors move data (ringmaster.ops.gpu)",
             default_text="auto: nccl with a GPU per rank, ipc for ranks sharing a GPU on one host, mpi if "
                          "CUDA-aware, else staged"),

@@ -41,7 +41,7 @@ from ringmaster.common import keepalive
 from ringmaster.common.config import Config
 from ringmaster.common.daemon import on_stdin_eof, run_daemon, write_address
 from ringmaster.common.message_size import grpc_options, split_by_size
-from ringmaster.coordinator.auth import TokenInterceptor, call_metadata
+from ringmaster.proto.auth import TokenInterceptor, call_metadata
 from ringmaster.coordinator.health import process_runs
 from ringmaster.coordinator.host_merge import HOLD_S, HostMerge
 from ringmaster.coordinator.sessions import SERVICE

@@ -1,18 +1,18 @@
 """Fusion: ready allreduces of the same kind packed into one response, up to a byte threshold.
 
-Every rank then reduces them as one buffer (``RINGMASTER_FUSION_THRESHOLD``). Only
-allreduces of the same process set, dtype, device, op, scale factors, joined ranks and wire
-format fuse; a fused response takes the place of its first member and everything else keeps
-its order, so the order every rank runs stays the one the coordinator decided.
+Every rank then reduces them as one buffer (``RINGMASTER_FUSION_THRESHOLD``). Only responses
+with the same ``ringmaster.proto.operations.fusion_key`` fuse (allreduces of the same process
+set, dtype, device, op, scale factors, joined ranks and wire format); a fused response takes
+the place of its first member and everything else keeps its order, so the order every rank
+runs stays the one the coordinator decided.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Sequence
 
-from ringmaster.coordinator.vocabulary import WIRE_ITEMSIZE
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.proto.operations import fusion_key, response_bytes
 
 
 def fuse_responses(responses: Sequence[pb.Response], threshold_bytes: int) -> List[pb.Response]:
@@ -23,13 +23,11 @@ def fuse_responses(responses: Sequence[pb.Response], threshold_bytes: int) -> Li
     fused: List[pb.Response] = []
     open_buckets: Dict[tuple, tuple] = {}  # kind -> (response, bytes so far)
     for response in responses:
-        if response.op_type != pb.ALLREDUCE or response.error_kind != pb.NO_ERROR:
+        kind = fusion_key(response)
+        if kind is None:
             fused.append(response)
             continue
-        nbytes = tensor_bytes(response)
-        kind = (response.process_set_id, response.dtype, response.device, response.reduce_op,
-                response.prescale_factor, response.postscale_factor, tuple(response.joined_ranks),
-                response.compression)
+        nbytes = response_bytes(response)
         bucket = open_buckets.get(kind)
         if bucket is not None and bucket[1] + nbytes <= threshold_bytes:
             target, total = bucket
@@ -44,10 +42,4 @@ def fuse_responses(responses: Sequence[pb.Response], threshold_bytes: int) -> Li
     return fused
 
 
-def tensor_bytes(response: pb.Response) -> int:
-    """Bytes the tensors of ``response`` occupy on the wire."""
-    itemsize = WIRE_ITEMSIZE.get(response.dtype, 8)
-    return sum(math.prod(shape.dims) * itemsize for shape in response.shapes)
-
-
-__all__ = ["fuse_responses", "tensor_bytes"]
+__all__ = ["fuse_responses"]

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 
 from ringmaster.common.daemon import refuse, run_daemon
-from ringmaster.coordinator.auth import call_metadata
+from ringmaster.proto.auth import call_metadata
 from ringmaster.coordinator.host_liveness import BEAT_INTERVAL_S, METADATA_KEY, STACKS_KEY, format_beat
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc

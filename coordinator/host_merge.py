@@ -2,7 +2,7 @@
 
 The algorithm. Every rank of a host declares (nearly) every tensor of the global set, with
 the same bytes for an allreduce or a broadcast. A request that could be merged (global set,
-no group, not one of :data:`.vocabulary.WHOLE_JOB_OPS`) is *held* until every *participant*
+no group, no op whose ``OpSpec`` is ``whole_job``) is *held* until every *participant*
 (a rank of the host that registered and has not joined or left) declared it with the same
 bytes; then it goes upstream once, naming all their streams, and the coordinator records it
 for all of them at once. Everything else goes upstream as it came, tagged with its stream's number.
@@ -33,8 +33,10 @@ from __future__ import annotations
 import collections
 from typing import Dict, List, Tuple
 
-from ringmaster.coordinator.vocabulary import WHOLE_JOB_OPS
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.proto.operations import ops_where
+
+_WHOLE_JOB = ops_where(lambda spec: spec.whole_job)
 
 #: How long a request waits for the rest of its host before going upstream unmerged. A
 #: step's gradients reach the ranks of one host within a few milliseconds of each other
@@ -96,7 +98,7 @@ class HostMerge:
         self._leave(stream)
 
     def _request(self, stream: int, request: pb.TensorRequest, now: float) -> None:
-        if (request.op_type in WHOLE_JOB_OPS or request.process_set_id != 0 or request.group
+        if (request.op_type in _WHOLE_JOB or request.process_set_id != 0 or request.group
                 or len(self.participants) < 2):
             self.release_stream(stream)
             self._forward_request(stream, request)

@@ -30,8 +30,8 @@ from ringmaster.coordinator.fusion import fuse_responses
 from ringmaster.coordinator.process_sets import GLOBAL_SET, ProcessSets, describe_set
 from ringmaster.coordinator.stragglers import StragglerTally
 from ringmaster.coordinator.validation import Problem, compression_problem, request_problem, shown
-from ringmaster.coordinator.vocabulary import OP_NAMES, REDUCE_NAMES, UNTABLED_OPS
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.proto.operations import AGREED_FIELDS, OP_NAMES, OP_SPECS, ops_where
 
 #: Longest error message a response carries (mismatches list every rank's value); longer
 #: ones are cut, so that one response always fits in a message.
@@ -39,7 +39,9 @@ MAX_ERROR_BYTES = 16 * 1024
 
 # The ops joined ranks take part in (contributing zeros), as in Horovod: an allgather, broadcast,
 # alltoall or reducescatter while a rank has joined fails on the ranks that called it.
-JOINABLE = (pb.ALLREDUCE, pb.BARRIER)
+_JOINABLE = " and ".join(spec.name for spec in OP_SPECS.values() if spec.joinable)
+# Requests that never wait in the message table (a join is counted, a cache wake answered at once).
+_UNTABLED = ops_where(lambda spec: not spec.tabled)
 
 
 class PendingTensor:
@@ -212,7 +214,7 @@ class Negotiator:
         for request in requests:
             key = (request.process_set_id, request.name)
             entry = pending.get(key)
-            if (one_by_one or key[0] != GLOBAL_SET or request.group or request.op_type in UNTABLED_OPS
+            if (one_by_one or key[0] != GLOBAL_SET or request.group or request.op_type in _UNTABLED
                     or (entry is not None and not entry.requests.keys().isdisjoint(ranks))
                     or (entry is None and self._over_pending_limit(ranks))):
                 for rank in ranks:
@@ -389,25 +391,25 @@ class Negotiator:
             # Identical requests (the usual case): parsed once, no field-by-field diagnosis, and
             # no loop over the ranks in Python (at 1,024 ranks, one per tensor cost 10 ms a step).
             first = pb.TensorRequest.FromString(distinct.pop())
-            op = first.op_type
-            requests = dict.fromkeys(entry.requests, first) if op in (pb.ALLGATHER, pb.ALLTOALL) else {}
+            spec = OP_SPECS[first.op_type]
+            requests = dict.fromkeys(entry.requests, first) if spec.ragged_rows else {}
         else:
             parsed = {encoded: pb.TensorRequest.FromString(encoded) for encoded in distinct}
             requests = {rank: parsed[encoded] for rank, encoded in entry.requests.items()}
             first = requests[min(requests)]
-            op = first.op_type
-            mismatch = self._find_mismatch(entry.name, op, requests)
+            spec = OP_SPECS[first.op_type]
+            mismatch = self._find_mismatch(entry.name, spec, requests)
             if mismatch:
                 return _error_response(entry.name, pb.MISMATCH, mismatch, entry.process_set_id)
-        if joined and op not in JOINABLE:
+        if joined and not spec.joinable:
             return _error_response(
                 entry.name, pb.INVALID_REQUEST,
-                f"{OP_NAMES[op]} '{entry.name}' cannot run while ranks {joined} have joined; only "
-                f"allreduce and barrier continue after join(), as in Horovod (DistributedOptimizer: pass "
+                f"{spec.name} '{entry.name}' cannot run while ranks {joined} have joined; only "
+                f"{_JOINABLE} continue after join(), as in Horovod (DistributedOptimizer: pass "
                 f"sparse_as_dense=True for sparse gradients); this rank may call join() now too")
-        if op == pb.PROCESS_SET_ADD:
+        if spec.fill == "set_add":
             return self._add_set(entry.name, first)
-        if op == pb.PROCESS_SET_REMOVE:
+        if spec.fill == "set_remove":
             return self._remove_set(entry.name, first)
         set_id = entry.process_set_id
         members = self._sets[set_id].ranks
@@ -415,16 +417,16 @@ class Negotiator:
         if problem:
             return _error_response(entry.name, pb.INVALID_REQUEST, problem, set_id)
         response = pb.Response(
-            op_type=op, reduce_op=first.reduce_op, names=[entry.name], dtype=first.dtype,
+            op_type=spec.op, reduce_op=first.reduce_op, names=[entry.name], dtype=first.dtype,
             device=first.device, root_rank=first.root_rank,
             prescale_factor=first.prescale_factor, postscale_factor=first.postscale_factor,
             joined_ranks=joined, process_set_id=set_id, compression=first.compression,
         )
         response.shapes.add(dims=first.shape)
-        if op == pb.ALLGATHER:
+        if spec.fill == "first_dims":
             response.first_dims.extend(
                 requests[r].shape[0] if r in requests else 0 for r in members)
-        elif op == pb.ALLTOALL:
+        elif spec.fill == "splits":
             for r in members:
                 if len(requests[r].splits) != len(members):
                     return _error_response(
@@ -432,7 +434,7 @@ class Negotiator:
                         f"alltoall '{entry.name}': rank {r} passed {len(requests[r].splits)} splits, but "
                         f"{describe_set(set_id, members)} has {len(members)} ranks", set_id)
                 response.splits.extend(requests[r].splits)
-        if op == pb.BROADCAST and first.root_rank not in self._sets[set_id].members:
+        if spec.rooted and first.root_rank not in self._sets[set_id].members:
             where = (f"a rank of this job (ranks 0..{self.size - 1})" if set_id == GLOBAL_SET
                      else f"a member of {describe_set(set_id, members)}")
             return _error_response(
@@ -468,35 +470,13 @@ class Negotiator:
         return pb.Response(op_type=pb.PROCESS_SET_REMOVE, names=[name],
                            set_change=pb.ProcessSetSpec(id=set_id, ranks=info.ranks))
 
-    def _find_mismatch(self, name: str, op: int, requests: Dict[int, pb.TensorRequest]) -> Optional[str]:
-        """Describe the first field on which the ranks disagree, naming ranks and values."""
-        checks = [
-            ("operation", lambda r: OP_NAMES[r.op_type]),
-            ("dtype", lambda r: r.dtype),
-            ("device", lambda r: r.device),
-        ]
-        if op == pb.ALLREDUCE or op == pb.REDUCESCATTER:
-            checks.append(("reduction op", lambda r: REDUCE_NAMES[r.reduce_op]))
-            checks.append(("prescale_factor", lambda r: r.prescale_factor))
-            checks.append(("postscale_factor", lambda r: r.postscale_factor))
-            checks.append(("compression", lambda r: r.compression or "none"))
-        if op == pb.BROADCAST:
-            checks.append(("root_rank", lambda r: r.root_rank))
-        if op == pb.PROCESS_SET_ADD:
-            checks.append(("process set ranks", lambda r: list(r.set_change.ranks)))
-        if op == pb.PROCESS_SET_REMOVE:
-            checks.append(("process set id", lambda r: r.set_change.id))
-        checks.append(("group", lambda r: r.group))
-        checks.append(("group_size", lambda r: r.group_size))
-        if op in (pb.ALLGATHER, pb.ALLTOALL):
-            checks.append(("shape after the first dimension", lambda r: list(r.shape[1:])))
-            checks.append(("number of dimensions", lambda r: len(r.shape)))
-        else:
-            checks.append(("shape", lambda r: list(r.shape)))
-        for what, value_of in checks:
+    def _find_mismatch(self, name: str, spec, requests: Dict[int, pb.TensorRequest]) -> Optional[str]:
+        """Describe the first field on which the ranks disagree (``spec.agreed``), naming ranks and values."""
+        for what in spec.agreed:
+            value_of = AGREED_FIELDS[what]
             values = {rank: value_of(request) for rank, request in requests.items()}
             if len({repr(v) for v in values.values()}) > 1:
-                return (f"Mismatched {OP_NAMES[op]} requests for tensor '{shown(name)}': {what} differs: "
+                return (f"Mismatched {spec.name} requests for tensor '{shown(name)}': {what} differs: "
                         f"{_describe_by_value(values)}. Every rank must call the same operation "
                         f"with the same {what} for a given name.")
         return None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
+from ringmaster.proto.operations import ranks_problem
+
 GLOBAL_SET = 0
 
 
@@ -24,21 +26,6 @@ class ProcessSetInfo(NamedTuple):
 def describe_set(set_id: int, ranks: Sequence[int]) -> str:
     """How messages name a process set."""
     return f"process set {set_id} (ranks {list(ranks)})"
-
-
-def ranks_problem(ranks: Sequence[int], size: int) -> Optional[str]:
-    """Why ``ranks`` cannot form a process set of a job of ``size`` ranks, or None."""
-    if not ranks:
-        return "a process set needs at least one rank"
-    for rank in ranks:
-        if not 0 <= rank < size:
-            return f"rank {rank} is not a rank of this job of size {size} (ranks 0..{size - 1})"
-    if len(set(ranks)) != len(ranks):
-        seen, duplicates = set(), set()
-        for rank in ranks:
-            (duplicates if rank in seen else seen).add(rank)
-        return f"ranks {sorted(duplicates)} appear more than once"
-    return None
 
 
 class ProcessSets(Dict[int, ProcessSetInfo]):
@@ -91,4 +78,4 @@ class ProcessSets(Dict[int, ProcessSetInfo]):
         return None
 
 
-__all__ = ["GLOBAL_SET", "ProcessSetInfo", "ProcessSets", "describe_set", "ranks_problem"]
+__all__ = ["GLOBAL_SET", "ProcessSetInfo", "ProcessSets", "describe_set"]

@@ -32,7 +32,7 @@ import grpc
 from ringmaster.common.config import Config
 from ringmaster.common import keepalive
 from ringmaster.common.message_size import KNOB, grpc_options
-from ringmaster.coordinator.auth import TokenInterceptor
+from ringmaster.proto.auth import TokenInterceptor
 from ringmaster.coordinator import health
 from ringmaster.coordinator.generation import Generation
 from ringmaster.coordinator.host_links import HostLink, HostedSession, link_ended, send_to_each, serve_host_stream

@@ -10,8 +10,8 @@ lengths, group sizes are ones a rank may have pending, process-set changes list 
 every rank once.
 
 Each check answers ``None`` (fine) or a :class:`Problem` naming the field, the value sent
-and what it must be; the caller adds which rank sent it. The lists these checks read (ops,
-reductions, dtypes, wire formats) are :mod:`.vocabulary`'s. Checks that need the state of
+and what it must be; the caller adds which rank sent it. What each op takes is its
+``OpSpec`` (``ringmaster.proto.operations``); the dtypes are ``ringmaster.proto.dtypes``'. Checks that need the state of
 the negotiation (is the set registered, is the root a member, do the ranks agree) stay in
 :mod:`ringmaster.coordinator.negotiation`, which runs them when a tensor completes, and
 then also runs :func:`compression_problem`.
@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional
 
-from ringmaster.coordinator.vocabulary import (DATA_OPS, FLOATING_DTYPES, OP_NAMES, REDUCE_NAMES, REDUCIBLE_DTYPES,
-                                              REDUCTIONS, ROW_OPS, RUNNABLE_REDUCTIONS, WHOLE_JOB_OPS,
-                                              WIRE_COMPRESSIONS, WIRE_ITEMSIZE)
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.proto.dtypes import FLOATING_DTYPES, REDUCIBLE_DTYPES, WIRE_ITEMSIZE
+from ringmaster.proto.operations import (OP_NAMES, OP_SPECS, REDUCE_NAMES, RUNNABLE_REDUCTIONS, WIRE_COMPRESSIONS,
+                                         OpSpec, ops_where)
 
 #: Longest tensor, group or gradient-plan name, in UTF-8 bytes. The longest names ringmaster
 #: makes are DistributedOptimizer's, "DistributedOptimizer.Allreduce." + a parameter's
@@ -38,6 +38,11 @@ MAX_DIMS = 64
 MAX_TAG_BYTES = 32
 #: Longest hostname a rank may register (DNS names have at most 253 characters).
 MAX_HOSTNAME_BYTES = 255
+
+_WHOLE_JOB = ops_where(lambda spec: spec.whole_job)
+_TAKE_SPLITS = ops_where(lambda spec: spec.takes_splits)
+_COMPRESSES = ops_where(lambda spec: spec.compresses)
+_ADASUM = ops_where(lambda spec: spec.adasum)
 #: Most gradient plans one heartbeat may report (a rank has a few: one per optimizer and set).
 MAX_PLANS_PER_HEARTBEAT = 1024
 #: A tensor's byte size must fit in a signed 64-bit integer, as MPI counts and torch sizes do.
@@ -62,12 +67,11 @@ def request_problem(request: pb.TensorRequest, size: int, max_group_size: int) -
     pending than it may have requests pending).
     """
     op = request.op_type
-    if op not in OP_NAMES:
+    spec = OP_SPECS.get(op)
+    if spec is None:
         return Problem("op_type", str(op), f"not an operation; one of {_listing(OP_NAMES)}")
-    if op == pb.AUTOTUNE:
-        return Problem("op_type", "autotune", "not a request: rank 0's autotuner sends a Tuning message")
-    if op in (pb.JOIN_COUNTED, pb.RANK_LEFT):
-        return Problem("op_type", OP_NAMES[op], "not a request: only the coordinator announces it")
+    if spec.not_a_request:
+        return Problem("op_type", spec.name, spec.not_a_request)
     if request.reduce_op not in REDUCE_NAMES:
         return Problem("reduce_op", str(request.reduce_op), f"not a reduction; one of {_listing(REDUCE_NAMES)}")
     problem = (_name_problem("name", request.name) or _set_id_problem(request)
@@ -76,18 +80,19 @@ def request_problem(request: pb.TensorRequest, size: int, max_group_size: int) -
                or _scale_problem(request))
     if problem:
         return problem
-    if op in DATA_OPS:
-        problem = _tensor_problem(request)
-    elif op in (pb.PROCESS_SET_ADD, pb.PROCESS_SET_REMOVE):
-        problem = _set_change_problem(request, size)
+    if spec.tensor:
+        problem = _tensor_problem(request, spec)
+    elif spec.fill in ("set_add", "set_remove"):
+        problem = _set_change_problem(request, size, spec)
     if problem:
         return problem
-    if op == pb.BROADCAST and not 0 <= request.root_rank < size:
+    if spec.rooted and not 0 <= request.root_rank < size:
         return Problem("root_rank", str(request.root_rank), f"not a rank of this job (0..{size - 1})")
-    if op == pb.ALLTOALL:
+    if spec.takes_splits:
         return _splits_problem(request, size)
     if request.splits:
-        return Problem("splits", _short_list(request.splits), f"only alltoall takes splits, not {OP_NAMES[op]}")
+        return Problem("splits", _short_list(request.splits),
+                       f"only {_names(_TAKE_SPLITS)} takes splits, not {spec.name}")
     return None
 
 
@@ -151,8 +156,8 @@ def compression_problem(request: pb.TensorRequest) -> Optional[str]:
     what = f"{OP_NAMES[request.op_type]} '{request.name}' with compression '{request.compression}'"
     if request.compression not in WIRE_COMPRESSIONS:
         return f"{what}: unknown wire format; use one of {', '.join(c for c in WIRE_COMPRESSIONS if c)}"
-    if request.op_type != pb.ALLREDUCE:
-        return f"{what}: 8-bit wire formats apply to allreduce only"
+    if not OP_SPECS[request.op_type].compresses:
+        return f"{what}: 8-bit wire formats apply to {_names(_COMPRESSES)} only"
     if request.reduce_op not in (pb.SUM, pb.AVERAGE):
         return f"{what}: 8-bit wire formats reduce with Sum or Average, not {REDUCE_NAMES[request.reduce_op]}"
     if request.dtype not in FLOATING_DTYPES:
@@ -186,7 +191,7 @@ def _text_problem(field: str, text: str) -> Optional[Problem]:
 def _set_id_problem(request: pb.TensorRequest) -> Optional[Problem]:
     if request.process_set_id < 0:
         return Problem("process_set_id", str(request.process_set_id), "set ids are >= 0 (0: every rank)")
-    if request.process_set_id and request.op_type in WHOLE_JOB_OPS:
+    if request.process_set_id and request.op_type in _WHOLE_JOB:
         return Problem("process_set_id", str(request.process_set_id),
                        f"{OP_NAMES[request.op_type]} concerns the whole job: it runs in set 0")
     return None
@@ -200,7 +205,7 @@ def _group_problem(request: pb.TensorRequest, max_group_size: int) -> Optional[P
     problem = _name_problem("group", request.group)
     if problem:
         return problem
-    if request.op_type in WHOLE_JOB_OPS:
+    if request.op_type in _WHOLE_JOB:
         return Problem("group", f"'{shown(request.group, 40)}'", f"{OP_NAMES[request.op_type]} cannot be grouped")
     if not 1 <= request.group_size <= max_group_size:
         return Problem("group_size", str(request.group_size),
@@ -216,8 +221,8 @@ def _scale_problem(request: pb.TensorRequest) -> Optional[Problem]:
     return None
 
 
-def _tensor_problem(request: pb.TensorRequest) -> Optional[Problem]:
-    op, dtype = request.op_type, request.dtype
+def _tensor_problem(request: pb.TensorRequest, spec: OpSpec) -> Optional[Problem]:
+    dtype = request.dtype
     if dtype not in WIRE_ITEMSIZE:
         return Problem("dtype", f"'{shown(dtype, 40)}'",
                        f"not a dtype ringmaster moves; one of {', '.join(WIRE_ITEMSIZE)}")
@@ -228,26 +233,26 @@ def _tensor_problem(request: pb.TensorRequest) -> Optional[Problem]:
         return Problem("shape", _short_list(shape), "dimensions are >= 0")
     if math.prod(shape) * WIRE_ITEMSIZE[dtype] > MAX_TENSOR_BYTES:
         return Problem("shape", _short_list(shape), f"{dtype} of this shape takes more than 2^63-1 bytes")
-    if op in ROW_OPS and not shape:
-        return Problem("shape", "[]", f"{OP_NAMES[op]} needs a tensor with at least one dimension")
-    if op in REDUCTIONS:
+    if spec.rows and not shape:
+        return Problem("shape", "[]", f"{spec.name} needs a tensor with at least one dimension")
+    if spec.reduces:
         if dtype not in REDUCIBLE_DTYPES:
-            return Problem("dtype", f"'{dtype}'", f"{OP_NAMES[op]} reduces {', '.join(REDUCIBLE_DTYPES)} only")
+            return Problem("dtype", f"'{dtype}'", f"{spec.name} reduces {', '.join(REDUCIBLE_DTYPES)} only")
         if request.reduce_op not in RUNNABLE_REDUCTIONS:
             return Problem("reduce_op", REDUCE_NAMES[request.reduce_op], "not supported by ringmaster's ranks")
         if dtype == "bool" and request.reduce_op == pb.AVERAGE:
             return Problem("reduce_op", "Average", "undefined for bool tensors")
-        if request.reduce_op == pb.ADASUM and (op != pb.ALLREDUCE or dtype not in FLOATING_DTYPES):
-            return Problem("reduce_op", "Adasum", "runs in an allreduce of floating-point tensors only")
+        if request.reduce_op == pb.ADASUM and (not spec.adasum or dtype not in FLOATING_DTYPES):
+            return Problem("reduce_op", "Adasum", f"runs in an {_names(_ADASUM)} of floating-point tensors only")
     return None
 
 
-def _set_change_problem(request: pb.TensorRequest, size: int) -> Optional[Problem]:
+def _set_change_problem(request: pb.TensorRequest, size: int, op_spec: OpSpec) -> Optional[Problem]:
     # The ranks' range, order and duplicates, and whether a removed id exists, are checked
     # once every rank asked (negotiation): then all get one error. Here only the length,
     # which bounds the work those checks do.
     spec = request.set_change
-    if request.op_type == pb.PROCESS_SET_ADD and not 1 <= len(spec.ranks) <= size:
+    if op_spec.fill == "set_add" and not 1 <= len(spec.ranks) <= size:
         return Problem("set_change.ranks", f"{len(spec.ranks)} ranks", f"a process set has 1 to {size} ranks")
     return None
 
@@ -272,9 +277,14 @@ def _short_list(values) -> str:
     return f"[{', '.join(map(str, values[:8]))}, … ({len(values)} entries)]"
 
 
+def _names(ops) -> str:
+    """The names of ``ops``, as messages list them ("allreduce", "allgather and alltoall")."""
+    return " and ".join(OP_NAMES[op] for op in sorted(ops))
+
+
 def _listing(names: dict) -> str:
     return ", ".join(f"{value} ({name})" for value, name in sorted(names.items()))
 
 
-__all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "OP_NAMES", "Problem", "REDUCE_NAMES", "WIRE_ITEMSIZE",
+__all__ = ["MAX_DIMS", "MAX_NAME_BYTES", "Problem",
            "compression_problem", "heartbeat_problem", "register_problem", "request_problem", "shown"]

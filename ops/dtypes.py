@@ -24,9 +24,12 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-#: The dtypes every collective in ``ringmaster.ops`` accepts (native byte order only).
-SUPPORTED_DTYPES = tuple(np.dtype(name) for name in
-                         ("float16", "float32", "float64", "int32", "int64", "uint8", "bool"))
+from ringmaster.proto.dtypes import NUMPY_REDUCIBLE_DTYPES
+
+#: The dtypes every collective in ``ringmaster.ops`` accepts (native byte order only): the
+#: protocol's reducible dtypes that NumPy holds (``ringmaster.proto.dtypes``; the worker
+#: reduces bfloat16 in float32 and moves the others as bytes).
+SUPPORTED_DTYPES = tuple(np.dtype(name) for name in NUMPY_REDUCIBLE_DTYPES)
 
 #: Reduction op names accepted by every reducing collective.
 SUPPORTED_OPS = ("sum", "min", "max", "prod")

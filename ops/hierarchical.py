@@ -26,17 +26,21 @@ docs/benchmarks.md). On a GPU, NCCL and CUDA IPC reduce-scatter at device speed.
 ``through_hosts`` picks; the runtime's rule is "where the flat ring would run",
 ``worker/runtime/hierarchy.py``) composed this way and every other collective over the flat
 transport. Every host must run the same number of ranks; the runtime checks that first.
+:func:`assemble_transport` is the one place a communicator's transport is put together, flat
+or through the hosts, for host memory and GPU memory alike.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+import inspect
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import _checks
 from .ring import DEFAULT_SEGMENT_BYTES, NETWORK_SEGMENT_BYTES
-from .transport import HostTransport
+from .transport import HostTransport, Transport, TransportMaker
 
 
 def chunk_counts(length: int, parts: int) -> np.ndarray:
@@ -98,6 +102,22 @@ def hierarchical_allreduce(local_comm, cross_comm, buffer: np.ndarray, op: str =
     return buffer
 
 
+def _forward_to_flat(cls):
+    """Give ``cls`` every method of :class:`Transport` it does not define, run by ``self.flat``
+    (with ``Transport``'s signature and docstring): a new collective of the interface needs
+    no line here."""
+    def forwarder(name, method):
+        def forward(self, *args, **kwargs):
+            return getattr(self.flat, name)(*args, **kwargs)
+        return functools.update_wrapper(forward, method)
+
+    for name, method in inspect.getmembers(Transport, inspect.isfunction):
+        if not name.startswith("_") and name not in cls.__dict__:
+            setattr(cls, name, forwarder(name, method))
+    return cls
+
+
+@_forward_to_flat
 class HierarchicalTransport:
     """A communicator's collectives with its big allreduces through the hosts.
 
@@ -131,23 +151,8 @@ class HierarchicalTransport:
         else:
             self.flat.allreduce(array, op, scale=scale, algorithm=algorithm)
 
-    def quantized_allreduce(self, array, codec, scale=None) -> None:
-        self.flat.quantized_allreduce(array, codec, scale=scale)
-
-    def adasum_allreduce(self, array, edges, wire=None) -> None:
-        self.flat.adasum_allreduce(array, edges, wire)
-
-    def allgatherv(self, send, recv, counts) -> None:
-        self.flat.allgatherv(send, recv, counts)
-
-    def broadcast(self, array, root: int) -> None:
-        self.flat.broadcast(array, root)
-
-    def alltoallv(self, send, recv, send_counts, recv_counts) -> None:
-        self.flat.alltoallv(send, recv, send_counts, recv_counts)
-
-    def reducescatter(self, array, recv, op: str, counts) -> None:
-        self.flat.reducescatter(array, recv, op, counts)
+    # Every other method of Transport (quantized_allreduce, allgatherv, broadcast, ...) runs
+    # on the flat transport (_forward_to_flat).
 
     def close(self) -> None:
         """Close the three transports (collective, in the same order on every rank)."""
@@ -155,4 +160,32 @@ class HierarchicalTransport:
             transport.close()
 
 
-__all__ = ["HierarchicalTransport", "allreduce_through_hosts", "chunk_counts", "hierarchical_allreduce"]
+def assemble_transport(maker: TransportMaker, comm, hosts: Optional[Sequence] = None,
+                       through_hosts: Optional[Callable[..., bool]] = None) -> Tuple[Transport, str]:
+    """The transport of ``comm`` and the line that says what was chosen (collective on ``comm``).
+
+    Args:
+        maker: how this memory's transports are chosen and opened
+            (``ringmaster.ops.transport.HostTransports``, ``ringmaster.ops.gpu.GpuTransports``).
+        hosts: ``(local_comm, cross_comm)``, this rank's host and its peers of the same local
+            rank (``worker/runtime/hierarchy.py``'s ``Hierarchy``); None: the flat transport only.
+        through_hosts: with ``hosts``, which allreduces go through them (:class:`HierarchicalTransport`).
+    """
+    choice = maker.choose(comm)
+    flat = maker.open(choice.name, comm, "flat")
+    if hosts is None:
+        return flat, f"{maker.kind} transport for {flat.size} rank(s): {choice.name} ({choice.reason})"
+    if through_hosts is None:
+        raise ValueError("assemble_transport: hosts given without through_hosts, the rule of what goes through them")
+    local_comm, cross_comm = hosts
+    within, between = maker.choose_hierarchical(local_comm, cross_comm)
+    transport = HierarchicalTransport(flat, maker.open(within.name, local_comm, "within"),
+                                      maker.open(between.name, cross_comm, "between"), through_hosts)
+    line = (f"{maker.kind} transport for {flat.size} rank(s) on {cross_comm.Get_size()} hosts: big allreduces "
+            f"hierarchical, {within.name} within each host ({within.reason}) and {between.name} between them "
+            f"({between.reason}); the rest over {choice.name} ({choice.reason})")
+    return transport, line
+
+
+__all__ = ["HierarchicalTransport", "allreduce_through_hosts", "assemble_transport", "chunk_counts",
+           "hierarchical_allreduce"]

@@ -3,29 +3,35 @@
 The executor runs every collective of a response through a :class:`Transport`, chosen per
 communicator from where the tensors live: :class:`HostTransport` for NumPy arrays (the
 host collectives of this package), a GPU transport for CuPy arrays (``ops/gpu/``: ``nccl``,
-``ipc``, ``mpi``, ``staged``, opened by name from :data:`ringmaster.ops.gpu.TRANSPORT_CLASSES`),
-and ``ops/hierarchical.py``'s composition of any two of them, one within each host and one
-between hosts (``HierarchicalTransport``, for host and GPU alike). Arrays are 1-D and contiguous;
-outputs are allocated by the caller; every rank calls each method with matching arguments,
-in the same order (invariant 1), as with MPI itself.
+``ipc``, ``mpi``, ``staged``), each opened by name from the one registry of transports
+(``ringmaster.common.transports.register_transport``), and ``ops/hierarchical.py``'s
+composition of any two of them, one within each host and one between hosts
+(``HierarchicalTransport``), which ``assemble_transport`` builds for host and GPU alike from a
+:class:`TransportMaker` (:class:`HostTransports` here, ``ringmaster.ops.gpu.GpuTransports``).
+Arrays are 1-D and contiguous; outputs are allocated by the caller; every rank calls each
+method with matching arguments, in the same order (invariant 1), as with MPI itself.
 
 Adding a transport: a module with a class that implements :class:`Transport` (the GPU ones
 inherit the staged form of every collective from ``StagedTransport`` and override what they
-do natively), one line in ``TRANSPORT_CLASSES``, and its name among the setting's choices
-(``common/config.py``'s ``GPU_TRANSPORTS``; a test checks that the two agree).
+do natively), and one ``register_transport`` line (``common/transports.py``); the name is then
+a choice of ``RINGMASTER_GPU_TRANSPORT``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import dataclasses
+from typing import Protocol, Tuple, runtime_checkable
 
 import numpy as np
+
+from ringmaster.common.transports import transport_class
 
 from .adasum import adasum_allreduce
 from .allreduce import allreduce as host_allreduce
 from .mpi_collectives import allgatherv, allgatherv_in_place, alltoallv, broadcast
 from .reducescatter import reducescatter
 from .quantized_ring import quantized_ring_allreduce
+from .ring import DEFAULT_SEGMENT_BYTES
 
 
 @runtime_checkable
@@ -63,6 +69,57 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Free what the transport holds (a collective: every rank closes at the same point)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportChoice:
+    """The transport a communicator uses and why (logged once per job)."""
+
+    name: str
+    reason: str
+
+
+class TransportMaker(Protocol):
+    """How one kind of memory's transports are chosen and opened (``assemble_transport``'s input).
+
+    ``choose`` and ``choose_hierarchical`` may be collective on their communicators, and
+    ``open`` is: every rank calls them in the same order.
+    """
+
+    kind: str  # "host", "GPU": how lines name it
+
+    def choose(self, comm) -> TransportChoice:
+        """The transport of the whole communicator ``comm``."""
+
+    def choose_hierarchical(self, local_comm, cross_comm) -> Tuple[TransportChoice, TransportChoice]:
+        """The transports within this rank's host and between the hosts."""
+
+    def open(self, name: str, comm, role: str) -> "Transport":
+        """Open transport ``name`` on ``comm``, as the ``flat``, ``within`` or ``between`` one."""
+
+
+class HostTransports:
+    """The :class:`TransportMaker` of host memory: the registered ``cpu`` transport (``host``).
+
+    Within a host the ring keeps its default segment; over the whole communicator and between
+    hosts, ``segment_bytes`` (larger across a network).
+    """
+
+    kind = "host"
+
+    def __init__(self, segment_bytes: int, name: str = "host"):
+        self.segment_bytes = segment_bytes
+        self.name = name
+
+    def choose(self, comm) -> TransportChoice:
+        return TransportChoice(self.name, "host memory")
+
+    def choose_hierarchical(self, local_comm, cross_comm) -> Tuple[TransportChoice, TransportChoice]:
+        return TransportChoice(self.name, "within the host"), TransportChoice(self.name, "between hosts")
+
+    def open(self, name: str, comm, role: str) -> "Transport":
+        segment_bytes = DEFAULT_SEGMENT_BYTES if role == "within" else self.segment_bytes
+        return transport_class(name, "cpu")(comm, segment_bytes)
 
 
 class HostTransport:

@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 import grpc
 
 from ringmaster.common.message_size import grpc_options
-from ringmaster.coordinator.auth import call_metadata
+from ringmaster.proto.auth import call_metadata
 from ringmaster.proto import ringmaster_pb2 as pb
 
 SECRET = "hostile-test-secret-0123456789"

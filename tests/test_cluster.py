@@ -510,7 +510,7 @@ def test_killing_a_rank_on_the_second_host_ends_the_job(netns_cluster, tmp_path)
 
 TOKEN_CLIENT = textwrap.dedent("""\
     import os, sys, grpc
-    from ringmaster.coordinator.auth import call_metadata
+    from ringmaster.proto.auth import call_metadata
     from ringmaster.proto import ringmaster_pb2 as pb, ringmaster_pb2_grpc as pb_grpc
     stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(sys.argv[1]))
     tokens = {"no": None, "wrong": call_metadata("0" * 64), "right": call_metadata(os.environ["JOB_TOKEN"])}

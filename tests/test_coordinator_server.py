@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from ringmaster.common.config import Config
-from ringmaster.coordinator.auth import call_metadata
+from ringmaster.proto.auth import call_metadata
 from ringmaster.coordinator.server import Coordinator
 from ringmaster.proto import generate
 from ringmaster.proto import ringmaster_pb2 as pb

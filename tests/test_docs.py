@@ -201,8 +201,8 @@ def _quoted_constants():
 
 @pytest.mark.parametrize("pattern,value", _quoted_constants())
 def test_constants_quoted_in_the_architecture_match_the_code(pattern, value):
-    text = re.sub(r"\s+", " ", (ROOT / "docs" / "architecture.md").read_text()
-                  + (ROOT / "docs" / "benchmarks.md").read_text())
+    text = re.sub(r"\s+", " ", "".join((ROOT / "docs" / page).read_text()
+                                       for page in ("architecture.md", "benchmarks.md", "benchmarks-history.md")))
     found = re.findall(pattern, text)
     assert found, f"docs no longer say {pattern!r}: update this test with the docs"
     assert all(float(quoted.replace(",", "")) == value for quoted in found), (pattern, found, value)
@@ -210,8 +210,8 @@ def test_constants_quoted_in_the_architecture_match_the_code(pattern, value):
 
 # ------------------------------------------------------------------ dated figures
 #: Pages whose figures are measurements; each figure names the date it was measured at.
-MEASURED_PAGES = ("README.md", "docs/benchmarks.md", "docs/scaling.md", "docs/decisions.md", "docs/elastic.md",
-                  "bench/gpu/README.md")
+MEASURED_PAGES = ("README.md", "docs/benchmarks.md", "docs/benchmarks-history.md", "docs/scaling.md",
+                  "docs/decisions.md", "docs/elastic.md", "bench/gpu/README.md")
 
 #: A measured figure: a time (ms, µs, us, seconds with decimals, "33 min 52 s"), a rate, a
 #: share (%), or a ratio: a number followed by × (but not the count of "100 × 16 KiB").

@@ -208,6 +208,13 @@ def test_ops_imports_no_worker_launch_or_coordinator():
     assert not bad, _report(_broken(rule, bad))
 
 
+def test_the_worker_imports_no_coordinator():
+    rule = ("a rank shares the protocol with the coordinator through proto/ (auth, the op specs, the dtype "
+            "table) and common/; it imports nothing of coordinator/, the daemon's")
+    bad = [imp for imp in IMPORTS if _within(imp.module, WORKER) and _within(imp.target, COORDINATOR)]
+    assert not bad, _report(_broken(rule, bad))
+
+
 def test_only_the_launcher_imports_launch():
     rule = "launch/ is ringrun's: no rank (nor the coordinator) imports it; share code through common/"
     bad = [imp for imp in IMPORTS if _within(imp.target, LAUNCH) and not _within(imp.module, LAUNCH)]

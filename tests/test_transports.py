@@ -1,25 +1,75 @@
-"""Every transport implements ``ops.transport.Transport``, and the GPU ones open by name from one
-registry whose names are the setting's choices (no GPU or CuPy needed: the classes import without)."""
+"""Every transport implements ``ops.transport.Transport``, and every one opens by name from one
+registry (``common/transports.py``) whose GPU names are the setting's choices (no GPU or CuPy
+needed: the classes import without)."""
 
 import inspect
 
 import pytest
 from mpijob import mpirun
 
-from ringmaster.common.config import GPU_TRANSPORTS
-from ringmaster.ops.gpu import TRANSPORT_CLASSES, open_transport, transport_class
+from ringmaster.common import transports
+from ringmaster.common.config import SETTINGS, ConfigError, load_config
+from ringmaster.ops.gpu import open_transport, transport_class
 from ringmaster.ops.hierarchical import HierarchicalTransport
-from ringmaster.ops.transport import HostTransport, Transport
+from ringmaster.ops.transport import HostTransport, HostTransports, Transport
 
 METHODS = [name for name, member in inspect.getmembers(Transport, inspect.isfunction) if not name.startswith("_")]
 
 
-def test_the_registry_holds_every_transport_the_setting_names():
-    assert set(TRANSPORT_CLASSES) == set(GPU_TRANSPORTS) - {"auto"}
+def test_the_registry_holds_ringmasters_transports_and_the_setting_offers_its_gpu_ones():
+    assert transports.transport_names("cpu") == ("host",)
+    assert transports.transport_names("cuda") == ("nccl", "ipc", "mpi", "staged")
+    setting = next(setting for setting in SETTINGS if setting.variable == "RINGMASTER_GPU_TRANSPORT")
+    assert setting.choices == ("auto", "nccl", "ipc", "mpi", "staged") == transports.gpu_transport_choices()
+    assert transports.transport_class("host", "cpu") is HostTransport
+
+
+@pytest.fixture
+def registered():
+    """Registers transports for one test and forgets them after it."""
+    names = []
+
+    def register(name, cls, devices=("cuda",)):
+        transports.register_transport(name, cls, devices)
+        names.append(name)
+    yield register
+    for name in names:
+        transports._REGISTRY.pop(name, None)
+
+
+def test_a_registered_transport_is_a_choice_of_the_setting_and_opens(registered):
+    class LoopTransport(HostTransport):
+        name = "loop"
+
+    with pytest.raises(ConfigError, match="RINGMASTER_GPU_TRANSPORT='loop' is invalid"):
+        load_config({"RINGMASTER_GPU_TRANSPORT": "loop"})
+    registered("loop", LoopTransport, devices=("cuda", "cpu"))
+    registered("lazy", "ringmaster.ops.gpu.staged:StagedTransport")
+    assert load_config({"RINGMASTER_GPU_TRANSPORT": "Loop"}).gpu_transport == "loop"
+    assert transports.gpu_transport_choices()[-2:] == ("loop", "lazy")
+    assert transport_class("loop") is LoopTransport and transport_class("lazy") is transport_class("staged")
+    assert HostTransports(1 << 16, "loop").choose(None).name == "loop"
+    assert transports.transport_class("loop", "cpu") is LoopTransport
+    transports.register_transport("loop", LoopTransport, ("cuda", "cpu"))  # the same again: nothing changes
+
+
+@pytest.mark.parametrize("args, error", [
+    (("Bad Name", HostTransport), "not a lower-case word"),
+    (("auto", HostTransport), "'auto' is reserved"),
+    (("hierarchical", HostTransport), "'hierarchical' is reserved"),
+    (("nccl", HostTransport), "'nccl' is already registered .ringmaster.ops.gpu.nccl:NcclTransport."),
+    (("tpu", HostTransport, ("tpu",)), r"devices \['tpu'\] must be some of cpu, cuda"),
+    (("broken", "no colon here"), "is not a class nor 'module:Class'"),
+])
+def test_a_bad_registration_is_refused_naming_the_fix(args, error):
+    with pytest.raises(ValueError, match=error):
+        transports.register_transport(*args)
+    assert transports.transport_names("cuda") == ("nccl", "ipc", "mpi", "staged")
 
 
 @pytest.mark.parametrize("cls", [HostTransport, HierarchicalTransport,
-                                 *(transport_class(name) for name in TRANSPORT_CLASSES)], ids=lambda cls: cls.__name__)
+                                 *(transport_class(name) for name in transports.transport_names("cuda"))],
+                         ids=lambda cls: cls.__name__)
 def test_every_transport_implements_the_interface(cls):
     assert len(METHODS) == 9 and "allreduce" in METHODS
     missing = [name for name in METHODS if not callable(getattr(cls, name, None))]
@@ -34,6 +84,8 @@ def test_every_transport_implements_the_interface(cls):
 def test_an_unknown_transport_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="unknown GPU transport 'rdma'; use one of nccl, ipc, mpi, staged"):
         open_transport("rdma", None, None, 0)
+    with pytest.raises(ValueError, match="unknown cpu transport 'nccl'; use one of host"):
+        transports.transport_class("nccl", "cpu")
 
 
 @pytest.mark.timeout(60)

@@ -3,7 +3,8 @@
 A *transport* moves and reduces CuPy arrays that live on this rank's GPU, for one
 communicator. Every transport implements :class:`ringmaster.ops.transport.Transport` (as
 the host's does), so the worker's executor picks one per communicator and never branches
-on it again. They are opened by name from :data:`TRANSPORT_CLASSES`:
+on it again. They are opened by name from the one registry of transports
+(``ringmaster.common.transports.register_transport``, where these four are registered):
 
 * ``nccl`` (:mod:`.nccl`): CuPy's NCCL communicator on the background stream; every rank
   needs a GPU of its own (NCCL refuses two ranks on one GPU).
@@ -16,39 +17,37 @@ on it again. They are opened by name from :data:`TRANSPORT_CLASSES`:
   device-to-host and host-to-device copies on their own streams overlapping the host
   collective of the chunk between them.
 
-With ``RINGMASTER_HIERARCHICAL_ALLREDUCE`` across hosts, ``ringmaster.ops.hierarchical``
-composes two of them for the big allreduces, as it does host transports: one within each
-host, one between hosts, which :mod:`.hierarchical` picks (:func:`.placement.choose_hierarchical`).
+With ``RINGMASTER_HIERARCHICAL_ALLREDUCE`` across hosts, the big allreduces run through two
+of them, one within each host and one between hosts, which :class:`GpuTransports` picks
+(:func:`.placement.choose_hierarchical`) and ``ringmaster.ops.hierarchical.assemble_transport``
+composes, as it does host transports:
+
+* within the host, ``nccl`` where every rank has a GPU of its own, ``ipc`` where ranks share
+  one: step 1 is their reduce-scatter, at device speed, moving half an allreduce's bytes;
+* between hosts, a CUDA-aware MPI where there is one, else the ``staged`` ring through pinned
+  host memory: only ``1/L`` of the buffer per rank leaves the GPU for the network, in ``L``
+  rings of ``H`` ranks running side by side.
 
 :func:`.placement.choose_transport` picks one from a described placement (a pure
 function, tested on CPU); ``RINGMASTER_GPU_TRANSPORT`` forces one. Importing this package
 does not import CuPy: a CPU-only user never needs it.
 """
 
-import importlib
+from typing import Callable, Optional, Tuple
 
-from .placement import TRANSPORTS, Placement, TransportChoice, choose_hierarchical, choose_transport
+from ringmaster.common.transports import transport_class as _registered_class
+from ringmaster.ops.transport import TransportChoice
 
-__all__ = ["TRANSPORTS", "TRANSPORT_CLASSES", "Placement", "TransportChoice", "choose_hierarchical",
-           "choose_transport", "open_transport"]
+from . import placement
+from .placement import Placement, choose_hierarchical, choose_transport
 
-#: Each transport's class, by name ("module:Class" in this package, imported when first
-#: opened: a CPU-only user never imports CuPy). Its names are the setting's choices but "auto".
-TRANSPORT_CLASSES = {
-    "nccl": "nccl:NcclTransport",
-    "ipc": "ipc:IpcTransport",
-    "mpi": "cuda_mpi:CudaMpiTransport",
-    "staged": "staged:StagedTransport",
-}
+__all__ = ["GpuTransports", "Placement", "TransportChoice", "choose_hierarchical", "choose_transport",
+           "open_transport", "transport_class"]
 
 
 def transport_class(name: str) -> type:
-    """The class of transport ``name`` (ValueError naming the choices if there is none)."""
-    where = TRANSPORT_CLASSES.get(name)
-    if where is None:
-        raise ValueError(f"unknown GPU transport {name!r}; use one of {', '.join(TRANSPORT_CLASSES)}")
-    module, cls = where.split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    """The class of GPU transport ``name`` (ValueError naming the choices if there is none)."""
+    return _registered_class(name, "cuda")
 
 
 def open_transport(name: str, comm, stream, device_id: int):
@@ -57,3 +56,32 @@ def open_transport(name: str, comm, stream, device_id: int):
     ``stream`` is the CuPy stream the caller's work is ordered on (the background thread's).
     """
     return transport_class(name)(comm, stream, device_id)
+
+
+class GpuTransports:
+    """The ``TransportMaker`` of this rank's GPU (``ringmaster.ops.transport``), for
+    ``ringmaster.ops.hierarchical.assemble_transport``.
+
+    Args:
+        setting: ``RINGMASTER_GPU_TRANSPORT`` (``auto`` or a registered name).
+        stream, device_id: the CuPy stream the transports order their work on, and the GPU.
+        describe: ``comm -> Placement`` (collective; default :func:`.placement.describe` on this GPU).
+        opener: ``(name, comm) -> transport`` (default :func:`open_transport` on this GPU and stream).
+    """
+
+    kind = "GPU"
+
+    def __init__(self, setting: str, stream, device_id: int, describe: Optional[Callable] = None,
+                 opener: Optional[Callable] = None):
+        self.setting = setting
+        self._describe = describe or (lambda comm: placement.describe(comm, device_id))
+        self._open = opener or (lambda name, comm: open_transport(name, comm, stream, device_id))
+
+    def choose(self, comm) -> TransportChoice:
+        return choose_transport(self.setting, self._describe(comm))
+
+    def choose_hierarchical(self, local_comm, cross_comm) -> Tuple[TransportChoice, TransportChoice]:
+        return choose_hierarchical(self.setting, self._describe(local_comm), self._describe(cross_comm))
+
+    def open(self, name: str, comm, role: str):
+        return self._open(name, comm)

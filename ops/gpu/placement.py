@@ -19,7 +19,8 @@ import dataclasses
 from collections import Counter
 from typing import Sequence, Tuple
 
-from ringmaster.common.config import GPU_TRANSPORTS as TRANSPORTS
+from ringmaster.common.transports import gpu_transport_choices
+from ringmaster.ops.transport import TransportChoice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +50,6 @@ class Placement:
         return len(set(self.hosts)) <= 1
 
 
-@dataclasses.dataclass(frozen=True)
-class TransportChoice:
-    """The transport a communicator uses and why (logged once per job)."""
-
-    name: str
-    reason: str
-
-
 def choose_transport(setting: str, placement: Placement) -> TransportChoice:
     """The transport for ``placement`` under ``setting`` (``auto`` or a forced name).
 
@@ -64,9 +57,10 @@ def choose_transport(setting: str, placement: Placement) -> TransportChoice:
         ValueError: ``setting`` is unknown, or names a transport that cannot run on this
             placement (the message says why and which to use).
     """
-    if setting not in TRANSPORTS:
+    choices = gpu_transport_choices()
+    if setting not in choices:
         raise ValueError(f"RINGMASTER_GPU_TRANSPORT={setting!r} is not a GPU transport; "
-                         f"use one of {', '.join(TRANSPORTS)}")
+                         f"use one of {', '.join(choices)}")
     shared = placement.shared_gpus()
     ranks = len(placement.hosts)
     if setting == "auto":

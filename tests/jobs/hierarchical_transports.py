@@ -1,5 +1,5 @@
 """The hierarchical allreduce of GPU transports (``ringmaster.ops.hierarchical``, as
-``ringmaster.ops.gpu.hierarchical`` composes it) on pretend hosts.
+``assemble_transport`` composes it from ``ringmaster.ops.gpu.GpuTransports``) on pretend hosts.
 
 Run under mpirun as ``hierarchical_transports.py MODE LOCAL_SIZE [WITHIN]``. The world is cut
 into "hosts" of ``LOCAL_SIZE`` consecutive ranks (the runtime cuts them from MPI's
@@ -19,7 +19,7 @@ holding the same bytes:
     ufuncs in place of CuPy's kernels;
   - ``nccl`` is not run: its collectives are NCCL's own (no placement described here chooses it).
 
-  Two compositions are built as the runtime builds them (``open_hierarchical`` from a
+  Two compositions are built as the runtime builds them (``assemble_transport`` from a
   described placement: "hosts" whose ranks share a GPU, no NCCL): with an MPI that is not
   CUDA-aware (``ipc`` within, ``staged`` between) and with one that is (``ipc``, ``mpi``).
   What goes through the hosts is decided by the runtime's own rule
@@ -40,9 +40,10 @@ import numpy as np
 from mpi4py import MPI
 
 from job_report import Tally
-from ringmaster.ops.gpu.hierarchical import open_hierarchical
-from ringmaster.ops.gpu.placement import Placement, TransportChoice
-from ringmaster.ops.hierarchical import allreduce_through_hosts, chunk_counts
+from ringmaster.ops.gpu import GpuTransports
+from ringmaster.ops.gpu.placement import Placement
+from ringmaster.ops.hierarchical import allreduce_through_hosts, assemble_transport, chunk_counts
+from ringmaster.ops.transport import TransportChoice
 from ringmaster.worker.runtime import hierarchy
 
 MODE, LOCAL_SIZE = sys.argv[1], int(sys.argv[2])
@@ -182,7 +183,7 @@ through_hosts = hierarchy.through_hosts(SIZE)
 
 
 def build(cuda_aware):
-    """The hierarchical transport as the runtime builds it (open_hierarchical), from a described
+    """The hierarchical transport as the runtime builds it (assemble_transport), from a described
     placement on the CPU: "hosts" of LOCAL_SIZE ranks that share one GPU each, no NCCL, an MPI
     that is CUDA-aware or not; on a GPU from this machine's."""
     opened = []
@@ -200,8 +201,17 @@ def build(cuda_aware):
         opened.append((name, which.Get_size()))
         return open_transport(name, which)
 
-    built, line = open_hierarchical(WITHIN if MODE == "cuda" else "auto", TransportChoice("staged", "the test's"),
-                                    flat, local_comm, cross_comm, described, opening, through_hosts)
+    class Transports(GpuTransports):
+        """The runtime's maker, with the job's recording transport as the flat one."""
+
+        def choose(self, which):
+            return TransportChoice("staged", "the test's")
+
+        def open(self, name, which, role):
+            return flat if role == "flat" else super().open(name, which, role)
+
+    maker = Transports(WITHIN if MODE == "cuda" else "auto", None, 0, describe=described, opener=opening)
+    built, line = assemble_transport(maker, comm, (local_comm, cross_comm), through_hosts)
     if MODE == "host":
         between = "mpi" if cuda_aware else "staged"
         TALLY.report(f"{between} between: the transports within and between hosts, on the hosts' communicators",

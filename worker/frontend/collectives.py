@@ -528,3 +528,10 @@ def synchronize(handle: int):
     finally:
         state.handles.release(handle)
 
+
+#: The public API's names from here: ``ringmaster.worker`` re-exports them all, so a new collective
+#: is public once it is listed here and in ``ringmaster/__init__.py``'s ``__all__``.
+__all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather_async", "allreduce_", "allreduce_async",
+           "allreduce_async_", "alltoall_async", "barrier", "broadcast_", "broadcast_async", "broadcast_async_",
+           "grouped_allgather_async", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+           "grouped_reducescatter_async", "join", "poll", "reducescatter_async", "synchronize"]

@@ -249,3 +249,9 @@ def grouped_reducescatter(tensors, name=None, op=c.Average, prescale_factor=1.0,
     if not tensors or not _tracks_grad(tensors):
         return c.grouped_reducescatter(tensors, name, op, prescale_factor, postscale_factor, process_set)
     return list(_Reducescatter.apply(True, name, op, prescale_factor, postscale_factor, process_set, *tensors))
+
+
+#: The public API's names from here: ``ringmaster.worker`` re-exports them all, so a new differentiable collective
+#: is public once it is listed here and in ``ringmaster/__init__.py``'s ``__all__``.
+__all__ = ["allgather", "allreduce", "alltoall", "broadcast", "grouped_allgather", "grouped_allreduce",
+           "grouped_reducescatter", "reducescatter"]

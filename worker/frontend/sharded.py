@@ -351,6 +351,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return sum(value.numel() * value.element_size() for state in self.optim.state.values()
                    for value in state.values() if isinstance(value, torch.Tensor))
 
+    # ------------------------------------------------ what checkpoints read (sharded_checkpoint.py)
+    @property
+    def process_set(self):
+        """The process set whose ranks share the state."""
+        return self._process_set
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the state is split over several ranks (else this rank holds all of it)."""
+        return self._sharded
+
+    @property
+    def ordered_params(self) -> List[torch.Tensor]:
+        """The parameters, in the order of ``param_groups`` (the state's indices)."""
+        return self._params
+
+    @property
+    def shards(self) -> List[torch.Tensor]:
+        """This rank's flat view of each parameter's range, in parameter order (empty where it owns none)."""
+        return self._shards
+
+    @property
+    def request_name(self) -> str:
+        """The prefix of this optimizer's collectives' names."""
+        return self._name
+
     def __repr__(self) -> str:
         return (f"ZeroOptimizer({type(self.optim).__name__}, {len(self.buckets)} buckets, "
                 f"rank {self._rank} of {self._size})")

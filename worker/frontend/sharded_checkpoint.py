@@ -46,23 +46,23 @@ def _groups(opt) -> List[dict]:
 
 def consolidate(opt, to: int):
     """The full state on global rank ``to`` (None on the others); a collective of ``opt``'s process set."""
-    process_set = opt._process_set
-    if opt._sharded:
+    process_set = opt.process_set
+    if opt.sharded:
         collectives.check_root(to, "ZeroOptimizer.consolidate_state_dict(to=)", process_set)
     mine: Dict[int, dict] = {}
-    for index, shard in enumerate(opt._shards):
+    for index, shard in enumerate(opt.shards):
         state = opt.optim.state.get(shard)
         if state:
             mine[index] = {key: ("element", value.dtype) if _per_element(key, value) else ("value", value)
                            for key, value in state.items()}
-    everyone = allgather_object(mine, name=f"{opt._name}.consolidate", process_set=process_set) \
-        if opt._sharded else [mine]
+    everyone = allgather_object(mine, name=f"{opt.request_name}.consolidate", process_set=process_set) \
+        if opt.sharded else [mine]
     keys: Dict[int, Dict[str, object]] = {}
     for rank_state in everyone:
         for index, entries in rank_state.items():
             for key, (kind, value) in entries.items():
                 keys.setdefault(index, {}).setdefault(key, (kind, value))
-    keep = not opt._sharded or runtime().rank == to
+    keep = not opt.sharded or runtime().rank == to
     full: Dict[int, dict] = {index: {} for index in sorted(keys)}
     for index, entries in keys.items():
         for key, (kind, value) in entries.items():
@@ -75,20 +75,20 @@ def consolidate(opt, to: int):
             continue
         pieces = []
         for index, key, dtype in wanted:
-            shard = opt._shards[index]
+            shard = opt.shards[index]
             state = opt.optim.state.get(shard, {})
             piece = state.get(key)
             if piece is None:  # owns part of it but never stepped it: zeros, as a fresh state
                 piece = torch.zeros(shard.numel(), dtype=dtype, device=shard.device)
             pieces.append(piece.detach().reshape(-1))
-        if opt._sharded:
-            gathered = collectives.grouped_allgather(pieces, name=f"{opt._name}.consolidate.{bucket.number}",
+        if opt.sharded:
+            gathered = collectives.grouped_allgather(pieces, name=f"{opt.request_name}.consolidate.{bucket.number}",
                                                      process_set=process_set)
         else:
             gathered = pieces
         if keep:
             for (index, key, _), flat in zip(wanted, gathered):
-                full[index][key] = flat.clone().reshape(opt._params[index].shape)
+                full[index][key] = flat.clone().reshape(opt.ordered_params[index].shape)
     if not keep:
         return None
     return {"state": full, "param_groups": _groups(opt)}
@@ -109,12 +109,12 @@ def load(opt, state_dict) -> None:
     order = [index for saved in saved_groups for index in saved["params"]]
     ranges = {piece.index: piece for bucket in opt.buckets for piece in bucket.pieces}
     shard_state = {}
-    for position, p in enumerate(opt._params):
+    for position, p in enumerate(opt.ordered_params):
         saved = state_dict["state"].get(order[position])
         if not saved:
             continue
         piece = ranges.get(position)
-        if piece is None and opt._shards[position].numel() == 0:
+        if piece is None and opt.shards[position].numel() == 0:
             continue
         entries = {}
         for key, value in saved.items():

@@ -7,9 +7,9 @@ and the gradient plan it runs (:mod:`.gradient_plan`); the tensor table's handle
 (:mod:`.handles`), process sets (:mod:`.process_sets`), the crossing from torch tensors to
 NumPy arrays (:mod:`.tensors`), the timeline, the exceptions and stack dumps.
 
-It may import ``ringmaster.ops``, ``ringmaster.proto``, ``ringmaster.common``, the helpers
-the coordinator shares with the ranks (``coordinator.auth``, ``coordinator.negotiation``)
-and, for the executor's wire codecs, ``ringmaster.worker.compression``. It never imports
+It may import ``ringmaster.ops``, ``ringmaster.proto`` (what the protocol means, shared
+with the coordinator: auth, the op specs, the dtype table), ``ringmaster.common`` and, for
+the executor's wire codecs, ``ringmaster.worker.compression``; never ``ringmaster.coordinator``. It never imports
 ``ringmaster.worker.frontend``, nor ``ringmaster`` or ``ringmaster.worker``, which re-export
 the frontend (``tests/test_layout.py`` checks this).
 """

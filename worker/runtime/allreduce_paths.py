@@ -171,7 +171,7 @@ class AllreducePaths:
             chunk = parts[0].float()
             for part in parts[1:]:
                 chunk.add_(part)
-            _scale_(chunk, response.prescale_factor * result_scale(response, group.size))
+            scale_(chunk, response.prescale_factor * result_scale(response, group.size))
             chunk = chunk.to(torch.bfloat16)
             transport.allgatherv(device.bytes_of(chunk), device.bytes_of(buffer), counts)
         with timeline.span(response.names, "MEMCPY_OUT_FUSION_BUFFER"):
@@ -195,12 +195,12 @@ class AllreducePaths:
                 part.zero_()
             else:
                 part.copy_(entry.tensor.reshape(-1))
-        _scale_(buffer, response.prescale_factor)
+        scale_(buffer, response.prescale_factor)
         edges = [0] + list(itertools.accumulate(sizes))
         wire = np.float16 if dtype == torch.float16 else None
         with timeline.span(response.names, "ADASUM_ALLREDUCE"):
             device.transport(group).adasum_allreduce(device.array(buffer), edges, wire)
-        _scale_(buffer, response.postscale_factor)
+        scale_(buffer, response.postscale_factor)
         for entry, result in _copy_out(entries, buffer, sizes, shapes, dtype):
             self._complete(entry, result, device)
 
@@ -245,7 +245,7 @@ class AllreducePaths:
     def _reduce_in_place(self, flat: torch.Tensor, response: pb.Response, group: SetComm, device,
                          source: Optional[torch.Tensor] = None) -> None:
         """Allreduce into the 1-D contiguous ``flat`` (from ``source`` if given), with Horovod's scaling."""
-        _scale_(flat, response.prescale_factor)
+        scale_(flat, response.prescale_factor)
         array, reduction = device.array(flat), OPS_REDUCTION[response.reduce_op]
         transport = device.transport(group)
         algorithm = self._algorithm_for(array, group.size, reduction)
@@ -284,7 +284,7 @@ def postscale(flat: torch.Tensor, response: pb.Response, size: int) -> None:
     if response.reduce_op == pb.AVERAGE and not flat.dtype.is_floating_point and response.postscale_factor == 1.0:
         flat.div_(size, rounding_mode="trunc")  # exact, also for int64 beyond 2**53
     else:
-        _scale_(flat, result_scale(response, size))
+        scale_(flat, result_scale(response, size))
 
 
 def result_scale(response: pb.Response, size: int) -> float:
@@ -295,7 +295,7 @@ def result_scale(response: pb.Response, size: int) -> float:
     return response.postscale_factor
 
 
-def _scale_(flat: torch.Tensor, factor: float) -> None:
+def scale_(flat: torch.Tensor, factor: float) -> None:
     """Multiply ``flat`` by ``factor`` in place; integers are scaled in float64 and cast back,
     truncating toward zero (Horovod's rule for prescale/postscale factors on integer tensors)."""
     if factor == 1.0:

@@ -44,15 +44,14 @@ from __future__ import annotations
 import csv
 import dataclasses
 import logging
-import math
 import threading
 import time
 from typing import Callable, Dict, List, Optional
 
 from ringmaster import ops
 from ringmaster.common.config import Config
-from ringmaster.coordinator.vocabulary import WIRE_ITEMSIZE
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.proto.operations import ops_where, response_bytes
 from ringmaster.worker.runtime.autotune_search import CoordinateSearch, Dimension, Setting
 
 log = logging.getLogger("ringmaster.worker")
@@ -111,14 +110,14 @@ def setting_of(tuning: pb.Tuning) -> Setting:
 
 def reduced_bytes(response: pb.Response) -> int:
     """Bytes an allreduce or reducescatter response reduces (0 for anything else)."""
-    if response.error_kind != pb.NO_ERROR or response.op_type not in (pb.ALLREDUCE, pb.REDUCESCATTER):
+    if response.error_kind != pb.NO_ERROR or response.op_type not in _REDUCTIONS:
         return 0
-    itemsize = WIRE_ITEMSIZE.get(response.dtype, 4)
-    return sum(math.prod(shape.dims) * itemsize for shape in response.shapes)
+    return response_bytes(response)
 
 
+_REDUCTIONS = ops_where(lambda spec: spec.reduces)
 #: Responses that are control, not a step's work.
-_CONTROL_OPS = (pb.AUTOTUNE, pb.CACHE_WAKE, pb.JOIN, pb.JOIN_COUNTED, pb.RANK_LEFT)
+_CONTROL_OPS = ops_where(lambda spec: spec.control)
 
 
 @dataclasses.dataclass

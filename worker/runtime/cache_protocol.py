@@ -49,15 +49,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import math
 from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.proto.operations import fusion_key, response_bytes
 from ringmaster.worker.runtime.cache_payload import (PAYLOAD_FRESH_RUNS, PAYLOAD_SLOTS, Payload, carriable,
                                                      carriable_bytes)
-from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES
 
 #: A pending hit still waiting for the other ranks after this long goes to the coordinator,
 #: which can tell a late rank from a mismatched or missing one. Longer than the skew of ranks
@@ -240,11 +239,9 @@ class SlotTable:
 
 def _new_slot(proposal: Proposal, cycle: int, ranks: int) -> Slot:
     template = proposal.template
-    nbytes = math.prod(tuple(template.shapes[0].dims)) * SUPPORTED_DTYPES[template.dtype].itemsize
-    fuse_key, can_carry = None, False
-    if template.op_type == pb.ALLREDUCE:
-        fuse_key = (template.dtype, template.reduce_op, template.prescale_factor, template.postscale_factor,
-                    template.compression)
+    nbytes = response_bytes(template)
+    fuse_key, can_carry = fusion_key(template), False  # the coordinator's key (coordinator/fusion.py)
+    if fuse_key is not None:
         can_carry = (0 < nbytes <= carriable_bytes(template.dtype, ranks) and not template.compression
                      and template.prescale_factor == 1.0 and template.device == "cpu"
                      and carriable(template.dtype, template.reduce_op))

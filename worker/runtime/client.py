@@ -11,7 +11,7 @@ import grpc
 from ringmaster.common.config import Config
 from ringmaster.common import keepalive
 from ringmaster.common.message_size import KNOB, grpc_options
-from ringmaster.coordinator.auth import call_metadata
+from ringmaster.proto.auth import call_metadata
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
 from ringmaster.worker.runtime.errors import (CoordinatorUnreachableError, RankFailedError, RingmasterError,

@@ -27,7 +27,8 @@ from typing import Callable, Dict, Optional
 import numpy as np
 import torch
 
-from ringmaster.ops.transport import Transport
+from ringmaster.ops.hierarchical import assemble_transport
+from ringmaster.ops.transport import HostTransports, Transport
 from ringmaster.worker.runtime import hierarchy
 from ringmaster.worker.runtime.hierarchy import Hierarchy
 from ringmaster.worker.runtime.tensors import byte_array, flat_array
@@ -110,8 +111,12 @@ class HostDevice:
         return transport
 
     def open_transport(self, comm, hosts: Optional[Hierarchy] = None) -> Transport:
-        """A transport of ``comm`` of its own (a gradient plan's); with ``hosts``, big allreduces through them."""
-        return hierarchy.host_transport(comm, self._segment_bytes, hosts)
+        """A transport of ``comm`` of its own (a gradient plan's); with ``hosts``, big allreduces through them.
+
+        Within the host the ring keeps its default segment; between hosts, the executor's.
+        """
+        through_hosts = hierarchy.through_hosts(comm.Get_size()) if hosts is not None else None
+        return assemble_transport(HostTransports(self._segment_bytes), comm, hosts, through_hosts)[0]
 
     def forget(self, comm) -> None:
         self._transports.pop(id(comm), None)
@@ -184,22 +189,12 @@ class CudaDevice:
         return transport
 
     def _open_transport(self, group):
-        from ringmaster.ops import gpu
-        from ringmaster.ops.gpu.hierarchical import open_hierarchical
+        from ringmaster.ops.gpu import GpuTransports
 
-        index = self.device.index
-        choice = gpu.choose_transport(self.setting, gpu.placement.describe(group.comm, index))
-        flat = gpu.open_transport(choice.name, group.comm, self._cupy_stream, index)
         hosts = self.hierarchies.get(id(group.comm))
-        if hosts is None:
-            if group.rank == 0:
-                log.warning("GPU transport for %d rank(s): %s (%s)", group.size, choice.name, choice.reason)
-            return flat
-        transport, line = open_hierarchical(
-            self.setting, choice, flat, hosts.local, hosts.cross,
-            describe=lambda comm: gpu.placement.describe(comm, index),
-            open_transport=lambda name, comm: gpu.open_transport(name, comm, self._cupy_stream, index),
-            through_hosts=hierarchy.through_hosts(group.size))
+        transport, line = assemble_transport(
+            GpuTransports(self.setting, self._cupy_stream, self.device.index), group.comm, hosts,
+            hierarchy.through_hosts(group.size) if hosts is not None else None)
         if group.rank == 0:
             log.warning("%s", line)
         return transport

@@ -28,8 +28,9 @@ import torch
 
 from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.proto.operations import ops_where
 from ringmaster.worker.runtime import timeline
-from ringmaster.worker.runtime.allreduce_paths import OPS_REDUCTION, AllreducePaths, _scale_, postscale
+from ringmaster.worker.runtime.allreduce_paths import OPS_REDUCTION, AllreducePaths, postscale, scale_
 from ringmaster.worker.runtime.device import Devices
 from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable, complete, take  # noqa: F401 (Entry)
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
@@ -40,6 +41,9 @@ from ringmaster.worker.runtime.result_memory import ResultPool
 from ringmaster.worker.runtime.tensors import SUPPORTED_DTYPES, reduction_dtype
 
 log = logging.getLogger("ringmaster.worker")
+
+#: Responses the executor runs nothing for: only the response cache learns from them.
+_CACHE_ONLY = ops_where(lambda spec: not spec.runs)
 
 _STOP = object()
 
@@ -259,7 +263,7 @@ class Executor:
         if self.cache is not None:
             # What the response cache learns from the coordinator's order, before it runs.
             self.cache.tell(response, lambda: self.table.cache_keys(0, response.names))
-        if response.op_type in (pb.CACHE_WAKE, pb.RANK_LEFT):
+        if response.op_type in _CACHE_ONLY:
             return  # for the response cache only
         if response.error_kind != pb.NO_ERROR:
             error_type = {pb.MISMATCH: TensorMismatchError, pb.RANK_FAILED: RankFailedError}.get(
@@ -327,7 +331,7 @@ class Executor:
         rows = reducescatter_rows(tensor.shape[0], group.size)
         row_count = math.prod(tensor.shape[1:])
         work = tensor.to(wire_dtype).reshape(-1).clone()
-        _scale_(work, response.prescale_factor)
+        scale_(work, response.prescale_factor)
         result = device.empty((rows[group.rank] * row_count,), wire_dtype)
         device.transport(group).reducescatter(device.array(work), device.array(result),
                                               OPS_REDUCTION[response.reduce_op], [r * row_count for r in rows])

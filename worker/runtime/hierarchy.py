@@ -5,22 +5,20 @@ over, the ranks of this host and the ranks of this local rank across hosts. :fun
 makes them (a collective call on that communicator), once for each communicator that runs
 big allreduces: the job's, the response cache's and each gradient plan's, so that no two
 threads ever share one. :func:`check` decides at ``init()`` whether the job can use them at
-all; :func:`through_hosts` is the one rule of which allreduces go through the hosts, and
-:func:`host_transport` the one place a host transport is composed (the GPU's, from
-``ops/gpu/hierarchical.py``, take the same rule: ``worker/runtime/device.py``).
+all; :func:`through_hosts` is the one rule of which allreduces go through the hosts, which
+``ringmaster.ops.hierarchical.assemble_transport`` takes for host and GPU transports alike
+(``worker/runtime/device.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from ringmaster import ops
-from ringmaster.ops.hierarchical import HierarchicalTransport
-from ringmaster.ops.transport import HostTransport, Transport
 from ringmaster.worker.runtime import agreement
 from ringmaster.worker.runtime.errors import RingmasterError
 
@@ -83,15 +81,3 @@ def use_for(algorithm: str, buffer: np.ndarray, comm_size: int, op: str, ring_sc
 def through_hosts(size: int) -> Callable[[np.ndarray, str, str], bool]:
     """The rule of a communicator of ``size`` ranks: ``(array, op, algorithm) -> bool``, :func:`use_for`."""
     return lambda array, op, algorithm: use_for(algorithm, array, size, op)
-
-
-def host_transport(comm: MPI.Comm, segment_bytes: int, hosts: Optional[Hierarchy] = None) -> Transport:
-    """The host transport of ``comm``: with ``hosts``, its big allreduces through them.
-
-    Within the host the ring keeps its default segment; between hosts, ``segment_bytes``.
-    """
-    flat = HostTransport(comm, segment_bytes)
-    if hosts is None:
-        return flat
-    return HierarchicalTransport(flat, HostTransport(hosts.local, ops.DEFAULT_SEGMENT_BYTES),
-                                 HostTransport(hosts.cross, segment_bytes), through_hosts(flat.size))

@@ -32,7 +32,7 @@ import grpc
 
 from ringmaster.common import keepalive
 from ringmaster.common.config import Config
-from ringmaster.coordinator.auth import call_metadata
+from ringmaster.proto.auth import call_metadata
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto import ringmaster_pb2_grpc as pb_grpc
 from ringmaster.worker.runtime.errors import CoordinatorUnreachableError, RingmasterError

@@ -35,7 +35,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from ringmaster.coordinator.process_sets import ranks_problem
+from ringmaster.proto.operations import ranks_problem
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.executor import Entry

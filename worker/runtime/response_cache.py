@@ -74,9 +74,13 @@ from mpi4py import MPI
 
 from ringmaster.ops import traffic, waiting
 from ringmaster.proto import ringmaster_pb2 as pb
+from ringmaster.proto.operations import ops_where
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.cache_protocol import WITHDRAW_AFTER_S, CacheProtocol, Hit, Phase, Proposal, Slot, Step
 from ringmaster.worker.runtime.errors import RingmasterError
+
+#: Responses the cache may run again without the coordinator (of the global set, no rank joined).
+_CACHEABLE = ops_where(lambda spec: spec.cacheable)
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -236,7 +240,7 @@ class ResponseCache:
             self.wake(f"{response.departed} shut down")
         elif op == pb.JOIN:
             self.join_completed()
-        elif (op in (pb.ALLREDUCE, pb.BROADCAST) and response.error_kind == pb.NO_ERROR
+        elif (op in _CACHEABLE and response.error_kind == pb.NO_ERROR
               and response.process_set_id == 0 and not response.joined_ranks):
             self.propose(response, keys())
 

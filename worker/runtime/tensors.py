@@ -5,17 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-#: dtypes the collectives accept, by the name that travels in requests.
-SUPPORTED_DTYPES = {
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-    "float64": torch.float64, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
-    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
-}
+from ringmaster.proto.dtypes import DTYPES
+
+#: dtypes the collectives accept, by the name that travels in requests (the protocol's one
+#: table, ``ringmaster.proto.dtypes``: torch names each of them as the wire does).
+SUPPORTED_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 DTYPE_NAMES = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
 
 #: dtypes allreduce and reducescatter accept (the others only move bytes, so any of the above works there).
-REDUCIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64,
-                    torch.uint8, torch.bool)
+REDUCIBLE_DTYPES = tuple(SUPPORTED_DTYPES[name] for name, spec in DTYPES.items() if spec.reducible)
 
 #: dtype reductions run in, where torch's own has no NumPy twin.
 REDUCTION_DTYPES = {torch.bfloat16: torch.float32}
