@@ -47,7 +47,8 @@ def test_powersgd_equals_one_process_running_the_same_algorithm():
     rank 3 (QR, compressed from the first step) trains the weights one process gets from the
     paper's algorithm on every rank's batch; a conv kernel, a small matrix and the biases go
     uncompressed; two allreduces a step move P and Q (and nothing else: the response cache
-    does not carry them); misuse is refused naming the fix."""
+    does not carry them); its state (Q, error feedback) goes through the optimizer's state dict,
+    so that stopping and resuming equals not stopping; misuse is refused naming the fix."""
     result = mpirun(2, (JOBS / "powersgd.py").read_text(), timeout=110)
     assert_job_passed(result, 2)
     assert len(result.lines_starting("BYTES")) == 1
