@@ -30,6 +30,21 @@ def test_sparse_allgather_of_packed_messages_equals_the_dense_sum(np):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("algorithm", ["ring", "mpi"])
+def test_two_byte_compressors_send_half_the_bytes_on_every_path(algorithm, device):
+    """rm.bytes_sent() per compressor x path (jobs/wire_bytes.py), 2 ranks: allreduce with
+    Compression.fp16/bf16 and of a bfloat16 tensor, reducescatter of float16/bfloat16, and
+    ZeroOptimizer's gradient reduce-scatter with fp16/bf16 each send half the float32 row's bytes
+    (on CUDA the bfloat16 rows keep float32's, as the docs say), and their results are the float32
+    ones rounded."""
+    result = mpirun(2, (JOBS / "wire_bytes.py").read_text(), timeout=140, env={"RINGMASTER_ALLREDUCE": algorithm},
+                    args=[device])
+    assert_job_passed(result, 2)
+    assert len(result.lines_starting("ROW ")) == 10
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("np", [2, 4])
 def test_bfloat16_travels_at_two_bytes_and_sums_in_float32(np):
     """bfloat16 allreduces (alone, fused, in place, scaled; chunks empty for some ranks) equal

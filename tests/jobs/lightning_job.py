@@ -3,8 +3,9 @@
 ``train DIR`` (2 ranks under ringrun): ``fit`` 2 epochs with ``strategy="ringmaster"`` (batch
 BATCH per rank), a checkpoint per epoch through ModelCheckpoint, a validation metric
 logged with ``sync_dist=True`` whose value differs per rank; the same fit again with half the
-batch and ``accumulate_grad_batches=2``; ``trainer.test``; the strategy's collectives; ``lr_find`` then ``fit`` against a fresh ``fit``;
-then a ``fit`` in which rank 1 raises at its third step, which ends the job.
+batch and ``accumulate_grad_batches=2``; ``trainer.test``; the strategy's collectives;
+``lr_find`` then ``fit`` against a fresh ``fit``; then a ``fit`` in which rank 1 raises at its
+third step, which ends the job.
 
 ``resume DIR`` (1 rank under ringrun): the reference, plain Lightning (its default strategy) on one
 process with the 2 × BATCH batch from the same initial weights, 3 epochs. Lightning shuffles a

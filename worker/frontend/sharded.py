@@ -7,8 +7,8 @@ data parallelism. Here each rank keeps the state of its own shard only
 1. **backward**: a hook on each parameter counts its gradient in; once every gradient of a
    bucket is in, the bucket is packed into one flat vector and its ``reducescatter`` starts
    at once, while backward still runs (op ``Average`` or ``Sum``, ``compression`` on the
-   wire: ``Compression.fp16``/``bf16`` halve it). Each rank receives the reduced gradient of
-   its own block only.
+   wire: ``Compression.fp16``/``bf16`` halve it on the CPU; bf16 on CUDA keeps 4 bytes). Each
+   rank receives the reduced gradient of its own block only.
 2. **step**: the wrapped optimizer steps this rank's shard (views of the parameters, so the
    update lands in the parameters); the other ranks' parts are not touched.
 3. **allgather**: each bucket's updated block is allgathered as soon as it is stepped (the
