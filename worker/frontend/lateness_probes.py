@@ -18,7 +18,9 @@ so the report counts lateness per plan step and per cached collective:
   whether its own cache or the coordinator then runs it).
 
 Cost: one small request to the coordinator per probe, off the caller's path; the handles
-are released once answered.
+are released once answered. A rank late by more than ``RINGMASTER_STALL_WARNING_S`` leaves
+its probe stalled too: the stall warning names it only where nothing else negotiated waits
+(a plan step), and its name says which step (``ringmaster.lateness.<plan or tensor>.<count>``).
 """
 
 from __future__ import annotations
