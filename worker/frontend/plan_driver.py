@@ -20,6 +20,7 @@ import torch
 from ringmaster.worker.frontend import collectives
 from ringmaster.worker.frontend.bucket_updates import step_parameters
 from ringmaster.worker.frontend.differentiable import allreduce
+from ringmaster.worker.frontend.lateness_probes import PROBES
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.errors import RingmasterError
 from ringmaster.worker.runtime.gradient_plan import GradientPlan
@@ -133,6 +134,7 @@ class PlanDriver:
     def synchronize(self, backward_passes_per_step: int,
                     on_reduced: Optional[Callable[[List[int]], None]] = None) -> None:
         """Finish this step of the plan: every gradient reduced and written into ``p.grad``."""
+        PROBES.plan_step(self.plan.request_name, self._process_set.process_set_id)  # the straggler report
         if not self.step_open:  # no gradient this step: every rank still runs the plan
             self._start_step()
         self._fill_missing()
