@@ -9,6 +9,7 @@ import functools
 import os
 
 import pytest
+import tiers
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +53,24 @@ def unmarked_cuda_parameters(items) -> list:
             and any(_is_cuda_device(v) for v in getattr(getattr(item, "callspec", None), "params", {}).values())]
 
 
+def mark_quick_tier(items) -> None:
+    """Mark ``quick`` the tests tests/tiers.py names; a name that matches nothing is an error
+    (only where the whole suite was collected: a run of one file collects less)."""
+    names = tiers.quick_names()
+    matched = set()
+    for item in items:
+        name = tiers.is_quick(item.nodeid, names)
+        if name:
+            item.add_marker(pytest.mark.quick)
+            matched.add(name)
+    collected_files = {item.nodeid.split("::")[0] for item in items}
+    missing = [name for name in names if name not in matched and name.split("::")[0] in collected_files]
+    if missing:
+        raise pytest.UsageError("tests/tiers.py names tests that do not exist (renamed?): " + ", ".join(missing))
+
+
 def pytest_collection_modifyitems(config, items):
+    mark_quick_tier(items)
     unmarked = unmarked_cuda_parameters(items)
     if unmarked:
         raise pytest.UsageError("tests given a CUDA device without the cuda mark (mark them, e.g. "
