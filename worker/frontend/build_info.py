@@ -8,6 +8,17 @@ def mpi_built() -> bool:
     return True
 
 
+def compiled_built() -> bool:
+    """True: the per-call path runs compiled (Cython), every module of it; False: its Python form runs,
+    in part or whole (no C compiler at install time, ``RINGMASTER_COMPILED=0``, or a source edited
+    since it was compiled). See ``ringmaster.common.compiled``."""
+    import importlib
+
+    from ringmaster.common import compiled
+
+    return all(compiled.running_compiled(importlib.import_module(name)) for name in compiled.MODULES)
+
+
 def mpi_enabled() -> bool:
     """True: MPI is the transport of every job."""
     return True
