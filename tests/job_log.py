@@ -25,7 +25,7 @@ class Job(NamedTuple):
 def read_jobs(lines: Iterable[str]) -> List[Job]:
     jobs = []
     for line in lines:
-        parts = line.rstrip("\n").split("\t")
+        parts = line.rstrip("\n").split("\t", 2)
         if len(parts) == 3:
             jobs.append(Job(float(parts[0]), parts[1], parts[2]))
     return jobs

@@ -118,7 +118,8 @@ def _log_job(command: Sequence[str], seconds: float) -> None:
     if path:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
         with open(path, "a", encoding="utf-8") as log:
-            log.write(f"{seconds:.2f}\t{test}\t{' '.join(command[:6])[:160]}\n")
+            words = " ".join(" ".join(command[:6]).split())  # one line, whatever the script holds
+            log.write(f"{seconds:.2f}\t{test}\t{words[:160]}\n")
 
 
 def _run_once(command: Sequence[str], timeout: float, env, cwd) -> JobResult:

@@ -47,8 +47,7 @@ def main(arguments) -> None:
     try:
         connection.connect(os.path.join(directory, f"zygote-{local_rank() % servers}.sock"))
     except OSError as error:
-        if os.environ.get(warm_pool.DEBUG):
-            sys.stderr.write(f"warm_client: no zygote: {error}\n")
+        not_served(f"no zygote: {error}", arguments)
         become_python(arguments)
     ours, childs = socket.socketpair()
     request = {"argv": arguments, "cwd": os.getcwd(), "env": dict(os.environ),
@@ -58,8 +57,7 @@ def main(arguments) -> None:
     replies = warm_pool.MessageReader(connection)
     reply = replies.next()
     if not reply or "pid" not in reply:
-        if os.environ.get(warm_pool.DEBUG):
-            sys.stderr.write(f"warm_client: not served: {(reply or {}).get('refused', 'no answer')}\n")
+        not_served((reply or {}).get("refused", "no answer"), arguments)
         connection.close()
         become_python(arguments)
     pid = reply["pid"]
@@ -71,6 +69,17 @@ def main(arguments) -> None:
         sys.stderr.write(f"warm_client: the zygote serving pid {pid} ended before it\n")
         os._exit(1)
     end_as(status)
+
+
+def not_served(reason: str, arguments) -> None:
+    """Say why no zygote served this rank: on stderr with RMTEST_WARM_POOL_DEBUG, and in the job
+    log's companion file (``<RMTEST_JOB_LOG>.unserved``) where the suite keeps a job log."""
+    if os.environ.get(warm_pool.DEBUG):
+        sys.stderr.write(f"warm_client: not served: {reason}\n")
+    log = os.environ.get("RMTEST_JOB_LOG")
+    if log:
+        with open(log + ".unserved", "a", encoding="utf-8") as unserved:
+            unserved.write(f"{reason}\t{' '.join(' '.join(arguments[:2]).split())[:120]}\n")
 
 
 def _forward(pid: int, signum: int) -> None:
