@@ -102,6 +102,12 @@ def test_a_request_whose_start_up_variables_differ_runs_a_plain_python(pool_env)
     assert "start-up variables differ: OMP_NUM_THREADS" in stderr
 
 
+def test_a_variable_read_when_used_does_not_keep_a_request_from_the_pool(pool_env, tmp_path):
+    env = dict(pool_env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))  # inductor sets it in the suite's process
+    code, stdout, _ = run(env, "import os, sys; print('torch' in sys.modules, os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    assert (code, stdout) == (0, f"True {tmp_path}\n")
+
+
 def test_ranks_of_one_job_differ_in_hash_seed_and_random_state(pool_env):
     probe = "import random; print(hash('ringmaster'), random.random())"
     seen = [run(pool_env, probe, local_rank=rank)[1] for rank in (0, 1, 0)]

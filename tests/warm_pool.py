@@ -67,10 +67,17 @@ SWITCH = "RMTEST_WARM_POOL"
 DEBUG = "RMTEST_WARM_POOL_DEBUG"
 
 
+#: ... and these, read when used rather than at start-up: torch's inductor sets its cache folder
+#: in the environment the first time it compiles (the suite's in-process tests make it do so),
+#: and reads it from there when it compiles again.
+READ_WHEN_USED = ("TORCHINDUCTOR_",)
+
+
 def startup_fingerprint(environ) -> dict:
     """The part of ``environ`` a zygote must share with a request it serves."""
     return {name: value for name, value in environ.items()
-            if name.startswith(STARTUP_PREFIXES) and name not in APPLIED_BY_CHILD}
+            if name.startswith(STARTUP_PREFIXES) and name not in APPLIED_BY_CHILD
+            and not name.startswith(READ_WHEN_USED)}
 
 
 def network_namespace() -> str:
