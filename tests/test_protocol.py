@@ -129,7 +129,8 @@ def test_response_bytes_counts_every_tensor_at_its_wire_itemsize():
 
 def test_the_coordinator_and_the_cache_fuse_under_the_same_key():
     """A CPU and a CUDA allreduce never fuse, in the coordinator nor in the ranks' response cache."""
-    cpu, cpu_too, cuda = _allreduce("a", [4]), _allreduce("b", [4]), _allreduce("c", [4], device="cuda")
+    cpu, cpu_too = _allreduce("a", [4]), _allreduce("b", [4])
+    cuda = _allreduce("c", [4], device="cuda")  # cuda-marker: not a device (a name only sent in a request)
     assert [list(r.names) for r in fuse_responses([cpu, cpu_too, cuda], 1 << 20)] == [["a", "b"], ["c"]]
     table = SlotTable(capacity=8)
     slots = []

@@ -13,12 +13,15 @@ from ringmaster.ops.gpu import open_transport, transport_class
 from ringmaster.ops.hierarchical import HierarchicalTransport
 from ringmaster.ops.transport import HostTransport, HostTransports, Transport
 
+#: The registry's key for GPU transports: a name, not a device any test here uses.
+GPU = "cuda"  # cuda-marker: not a device (a registry key)
+
 METHODS = [name for name, member in inspect.getmembers(Transport, inspect.isfunction) if not name.startswith("_")]
 
 
 def test_the_registry_holds_ringmasters_transports_and_the_setting_offers_its_gpu_ones():
     assert transports.transport_names("cpu") == ("host",)
-    assert transports.transport_names("cuda") == ("nccl", "ipc", "mpi", "staged")
+    assert transports.transport_names(GPU) == ("nccl", "ipc", "mpi", "staged")
     setting = next(setting for setting in SETTINGS if setting.variable == "RINGMASTER_GPU_TRANSPORT")
     assert setting.choices == ("auto", "nccl", "ipc", "mpi", "staged") == transports.gpu_transport_choices()
     assert transports.transport_class("host", "cpu") is HostTransport
@@ -29,7 +32,7 @@ def registered():
     """Registers transports for one test and forgets them after it."""
     names = []
 
-    def register(name, cls, devices=("cuda",)):
+    def register(name, cls, devices=(GPU,)):
         transports.register_transport(name, cls, devices)
         names.append(name)
     yield register
@@ -43,14 +46,14 @@ def test_a_registered_transport_is_a_choice_of_the_setting_and_opens(registered)
 
     with pytest.raises(ConfigError, match="RINGMASTER_GPU_TRANSPORT='loop' is invalid"):
         load_config({"RINGMASTER_GPU_TRANSPORT": "loop"})
-    registered("loop", LoopTransport, devices=("cuda", "cpu"))
+    registered("loop", LoopTransport, devices=(GPU, "cpu"))
     registered("lazy", "ringmaster.ops.gpu.staged:StagedTransport")
     assert load_config({"RINGMASTER_GPU_TRANSPORT": "Loop"}).gpu_transport == "loop"
     assert transports.gpu_transport_choices()[-2:] == ("loop", "lazy")
     assert transport_class("loop") is LoopTransport and transport_class("lazy") is transport_class("staged")
     assert HostTransports(1 << 16, "loop").choose(None).name == "loop"
     assert transports.transport_class("loop", "cpu") is LoopTransport
-    transports.register_transport("loop", LoopTransport, ("cuda", "cpu"))  # the same again: nothing changes
+    transports.register_transport("loop", LoopTransport, (GPU, "cpu"))  # the same again: nothing changes
 
 
 @pytest.mark.parametrize("args, error", [
@@ -64,11 +67,11 @@ def test_a_registered_transport_is_a_choice_of_the_setting_and_opens(registered)
 def test_a_bad_registration_is_refused_naming_the_fix(args, error):
     with pytest.raises(ValueError, match=error):
         transports.register_transport(*args)
-    assert transports.transport_names("cuda") == ("nccl", "ipc", "mpi", "staged")
+    assert transports.transport_names(GPU) == ("nccl", "ipc", "mpi", "staged")
 
 
 @pytest.mark.parametrize("cls", [HostTransport, HierarchicalTransport,
-                                 *(transport_class(name) for name in transports.transport_names("cuda"))],
+                                 *(transport_class(name) for name in transports.transport_names(GPU))],
                          ids=lambda cls: cls.__name__)
 def test_every_transport_implements_the_interface(cls):
     assert len(METHODS) == 9 and "allreduce" in METHODS

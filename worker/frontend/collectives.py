@@ -532,6 +532,8 @@ def synchronize(handle: int):
         state.handles.release(handle)
 
 
+lateness_probes.PROBES.bind(submit_barrier, poll, synchronize)
+
 #: The public API's names from here: ``ringmaster.worker`` re-exports them all, so a new collective
 #: is public once it is listed here and in ``ringmaster/__init__.py``'s ``__all__``.
 __all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather_async", "allreduce_", "allreduce_async",

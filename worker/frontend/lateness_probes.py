@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from ringmaster.worker.frontend import collectives
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.errors import RingmasterError
@@ -43,9 +42,15 @@ class LatenessProbes:
     """The probes of one process (see the module docstring); :data:`PROBES` is the one in use."""
 
     def __init__(self):
+        self._submit_barrier = self._poll = self._synchronize = None  # bind() gives them
         self._counts = Counter()
         self._open = deque()  # handles of probes not answered yet, oldest first
         self._runtime = None  # after shutdown() and a new init(), every rank counts from the start
+
+    def bind(self, submit_barrier, poll, synchronize) -> None:
+        """The collectives a probe is made of: ``collectives`` binds its own when imported (it
+        calls :meth:`cached`, so this module cannot import it back)."""
+        self._submit_barrier, self._poll, self._synchronize = submit_barrier, poll, synchronize
 
     def plan_step(self, plan_name: str, set_id: int) -> None:
         """This rank begins to wait for a step of the gradient plan ``plan_name`` (of set ``set_id``)."""
@@ -61,12 +66,12 @@ class LatenessProbes:
             self._probe(f"{_PREFIX}{name}.{self._counts[name]}", 0)
 
     def _probe(self, name: str, set_id: int) -> None:
-        while self._open and collectives.poll(self._open[0]):
+        while self._open and self._poll(self._open[0]):
             try:
-                collectives.synchronize(self._open.popleft())  # answered: releases the handle
+                self._synchronize(self._open.popleft())  # answered: releases the handle
             except RingmasterError:
                 pass  # a failed job: the caller's own collectives say why, not a probe
-        self._open.append(collectives.submit_barrier(name, set_id))
+        self._open.append(self._submit_barrier(name, set_id))
 
     def _same_runtime(self) -> None:
         current = runtime()
