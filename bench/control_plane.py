@@ -61,6 +61,7 @@ import time
 
 import grpc
 
+from ringmaster.common import proc
 from ringmaster.common.message_size import grpc_options
 from ringmaster.coordinator.aggregator import HostAggregator
 from ringmaster.coordinator.auth import call_metadata
@@ -329,9 +330,8 @@ class Coordinator:
         self.process = self.daemon.process
 
     def cpu_s(self) -> float:
-        with open(f"/proc/{self.process.pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        found = proc.stat(self.process.pid)
+        return (found.utime + found.stime) / os.sysconf("SC_CLK_TCK")
 
     def memory_mb(self, field: str = "VmHWM") -> float:
         with open(f"/proc/{self.process.pid}/status") as handle:

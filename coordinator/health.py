@@ -27,6 +27,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
+from ringmaster.common import proc
 from ringmaster.common.config import Config
 from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
 from ringmaster.coordinator.cache_stalls import describe_slow as describe_slow_cache_cycle
@@ -249,13 +250,10 @@ def process_state(session: "RankSession") -> Optional[str]:
     the rank runs on another host (or this one cannot tell)."""
     if session.hostname != socket.gethostname():
         return None
-    try:
-        with open(f"/proc/{session.pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):  # ESRCH: read while the process was torn down
-        return "gone"
-    except (OSError, IndexError):
-        return None
+    found = proc.stat(session.pid)
+    if found is None:  # ESRCH or ENOENT: torn down as it was read, or gone
+        return "gone" if os.path.isdir("/proc") else None
+    return found.state
 
 
 def process_runs(pid: int, settle_s: float = 0.5) -> Optional[bool]:
@@ -263,16 +261,12 @@ def process_runs(pid: int, settle_s: float = 0.5) -> Optional[bool]:
     sockets before it is gone, so a process still there is watched for ``settle_s``."""
     deadline = time.monotonic() + settle_s
     while True:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                state = stat.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
+        found = proc.stat(pid)
+        if found is None:
             # ESRCH or an empty read: the process was being torn down as it was read (seen once
             # in a full run: the rank was reported as "crashed or its host is gone", not "exited")
-            return False
-        except OSError:
-            return None
-        if state in ("Z", "X"):
+            return False if os.path.isdir("/proc") else None
+        if found.exited:
             return False  # exited, not yet reaped by its parent
         if time.monotonic() >= deadline:
             return True

@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 import grpc
 
+from ringmaster.common import proc
 from ringmaster.common.daemon import refuse, run_daemon
 from ringmaster.coordinator.auth import call_metadata
 from ringmaster.coordinator.host_liveness import BEAT_INTERVAL_S, METADATA_KEY, STACKS_KEY, format_beat
@@ -70,23 +71,13 @@ def parse_ranks(text: str) -> Dict[int, int]:
 
 def process_state(pid: int) -> str:
     """The state letter of ``pid`` (``/proc/PID/stat``), "gone" if it has exited."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-    return "gone" if state in ("Z", "X") else state
+    return proc.live_state(pid)
 
 
 def _parent(pid: int) -> Optional[Tuple[int, str]]:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            stat = handle.read()
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        with open(f"/proc/{ppid}/comm", encoding="ascii", errors="replace") as handle:
-            return ppid, handle.read().strip()
-    except (OSError, IndexError, ValueError):
-        return None
+    found = proc.stat(pid)
+    name = proc.comm(found.ppid) if found is not None else None
+    return (found.ppid, name) if name is not None else None
 
 
 def _signal(pids: List[int], signum: int) -> None:

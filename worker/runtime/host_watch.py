@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import grpc
 
-from ringmaster.common import keepalive
+from ringmaster.common import keepalive, proc
 from ringmaster.common.config import Config
 from ringmaster.coordinator.auth import call_metadata
 from ringmaster.proto import ringmaster_pb2 as pb
@@ -62,14 +62,6 @@ def start_host_agent(comm, config: Config, coordinator_address: str, secret: str
          "--host", socket.gethostname(), "--ranks", listed],
         stdin=subprocess.DEVNULL, env=dict(os.environ, RINGMASTER_SECRET=secret), close_fds=True,
         start_new_session=True)
-
-
-def _state(pid: int) -> Optional[str]:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def coordinator_pid(process: Optional[subprocess.Popen]) -> Optional[int]:
@@ -122,7 +114,7 @@ class CoordinatorWatch:
         stopped_since = None
         while not self._stop.wait(WATCH_INTERVAL_S):
             now = time.monotonic()
-            if _state(self.pid) not in ("T", "t"):
+            if proc.state(self.pid) not in proc.STOPPED_STATES:
                 stopped_since = None
                 continue
             stopped_since = stopped_since if stopped_since is not None else now
