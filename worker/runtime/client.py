@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import grpc
 
 from ringmaster.common.config import Config
-from ringmaster.common import keepalive
+from ringmaster.common import keepalive, proc
 from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.coordinator.auth import call_metadata
 from ringmaster.proto import ringmaster_pb2 as pb
@@ -50,11 +50,14 @@ class CoordinatorClient:
         max_message_bytes: ``RINGMASTER_MAX_MESSAGE_BYTES``; gRPC accepts up to twice it.
         relays_to: with a host aggregator at ``address``, the coordinator's address behind it
             (errors then say which of the two broke).
+        stack_dump_handler: whether SIGUSR1 prints this rank's stacks (told to the coordinator,
+            which never sends SIGUSR1 to a rank that says no).
     """
 
     def __init__(self, address: str, secret: str, rank: int, size: int, hostname: str, pid: int,
                  outbox: Outbox, on_responses: Callable, on_fatal: Callable,
-                 max_message_bytes: int = Config.max_message_bytes, relays_to: Optional[str] = None):
+                 max_message_bytes: int = Config.max_message_bytes, relays_to: Optional[str] = None,
+                 stack_dump_handler: bool = False):
         self.address = address
         #: what this rank's stream reaches, as errors name it
         self.peer = (f"the ringmaster coordinator at {address}" if relays_to is None else
@@ -62,7 +65,9 @@ class CoordinatorClient:
                      f"ringmaster coordinator at {relays_to}")
         self._noun = "coordinator" if relays_to is None else "host aggregator"
         self.rank = rank
-        self._registration = pb.Register(rank=rank, size=size, hostname=hostname, pid=pid)
+        self._registration = pb.Register(rank=rank, size=size, hostname=hostname, pid=pid,
+                                         start_time=proc.start_time(pid) or 0,
+                                         stack_dump_handler=stack_dump_handler)
         self._on_responses = on_responses
         self._on_fatal = on_fatal
         self.outbox = outbox

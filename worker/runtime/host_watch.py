@@ -50,13 +50,13 @@ def start_host_agent(comm, config: Config, coordinator_address: str, secret: str
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
-        ranks = local.allgather((comm.Get_rank(), os.getpid()))
+        ranks = local.allgather((comm.Get_rank(), os.getpid(), proc.start_time(os.getpid()) or 0))
         first = local.Get_rank() == 0
     finally:
         local.Free()
     if not first or config.host_timeout_s <= 0 or keepalive.is_local(coordinator_address):
         return None
-    listed = ",".join(f"{rank}:{pid}" for rank, pid in ranks)
+    listed = ",".join(f"{rank}:{pid}:{start}" for rank, pid, start in ranks)
     return subprocess.Popen(
         [sys.executable, "-m", "ringmaster.coordinator.host_agent", "--coordinator", coordinator_address,
          "--host", socket.gethostname(), "--ranks", listed],
