@@ -11,6 +11,11 @@ states in the call's metadata (:mod:`.host_liveness`). Being a process of its ow
 whatever the ranks' Python threads do: a rank holding the GIL in a long MPI wait stops its
 own heartbeats, not its host's.
 
+A status that will not go away (a wrong token: ``UNAUTHENTICATED``; another ringmaster version:
+``UNIMPLEMENTED``; :data:`ringmaster.common.rpc_status.PERMANENT`) ends the agent at once, with an
+exit status that names it to the rank that started it, which ends saying so. Other failures are
+silence: they count toward the timeouts below, and the last status is in the final message.
+
 Orphans end themselves. When no beat has been answered for :data:`ORPHAN_FACTOR` x
 ``RINGMASTER_HOST_TIMEOUT_S`` (the coordinator was stopped, or this host was cut off the
 network), the job is over for this host: the ranks' own watch (which gives up after one
@@ -36,7 +41,7 @@ from typing import Dict, List
 
 import grpc
 
-from ringmaster.common import proc
+from ringmaster.common import proc, rpc_status
 from ringmaster.common.daemon import refuse, run_daemon
 from ringmaster.coordinator.auth import call_metadata
 from ringmaster.coordinator.host_liveness import BEAT_INTERVAL_S, METADATA_KEY, STACKS_KEY, format_beat
@@ -168,35 +173,43 @@ def serve(args: argparse.Namespace, config) -> int:
         return refuse("host agent", f"--ranks must be RANK:PID:START,..., got {args.ranks!r}")
     limit_s = ORPHAN_FACTOR * config.host_timeout_s
     metadata = call_metadata(config.secret)
+    calls = rpc_status.CallRecord()
     with grpc.insecure_channel(args.coordinator) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
-        last_answer = time.monotonic()
         daemons = mpi_daemons(ranks)  # now, while the ranks run: their parents
         while True:
             started = time.monotonic()
             states = {rank: (identity.pid, process_state(identity)) for rank, identity in ranks.items()}
             if all(state == "gone" for _, state in states.values()):
-                silent_s = time.monotonic() - last_answer
+                silent_s = calls.silent_s()
                 if limit_s > 0 and silent_s > config.host_timeout_s:  # they ended themselves, cut off
                     end_orphans(ranks, daemons, f"the coordinator at {args.coordinator} has not answered for "
-                                f"{silent_s:.0f} s and this host's ranks have ended")
+                                f"{silent_s:.0f} s ({calls.last()}) and this host's ranks have ended")
                     return 1
                 return 0
             beat = format_beat(args.host, os.getpid(), states)
             try:
                 _, call = stub.Ping.with_call(pb.Empty(), metadata=metadata + ((METADATA_KEY, beat),),
                                               timeout=2 * BEAT_INTERVAL_S)
-                last_answer = time.monotonic()
+                calls.answered()
                 print_stacks_of(call.trailing_metadata(), ranks)
             except grpc.RpcError as error:
-                if time.monotonic() - last_answer < BEAT_INTERVAL_S * 3:
-                    log.info("the coordinator at %s did not answer a heartbeat: %s %s", args.coordinator,
-                             error.code().name, error.details())
-            silent_s = time.monotonic() - last_answer
+                permanent = calls.failed(error)
+                if permanent is not None:
+                    print(f"ringmaster host agent on {socket.gethostname()}: the coordinator at {args.coordinator} "
+                          f"answered {calls.last_status}, a status that will not go away: "
+                          f"{rpc_status.FIXES[permanent]}; the agent ends, and the rank that started it ends "
+                          f"naming it", file=sys.stderr, flush=True)
+                    return rpc_status.exit_status(permanent)
+                if calls.failures <= 3:
+                    log.info("the coordinator at %s did not answer a heartbeat: %s", args.coordinator,
+                             calls.last_status)
+            silent_s = calls.silent_s()
             if limit_s > 0 and silent_s > limit_s:
                 end_orphans(ranks, daemons, f"the coordinator at {args.coordinator} has not answered for "
                                             f"{silent_s:.0f} s ({ORPHAN_FACTOR} x RINGMASTER_HOST_TIMEOUT_S="
-                                            f"{config.host_timeout_s:g}): it is stopped or this host is cut off")
+                                            f"{config.host_timeout_s:g}; {calls.last()}): it is stopped or this "
+                                            f"host is cut off")
                 return 1
             time.sleep(max(0.0, BEAT_INTERVAL_S - (time.monotonic() - started)))
 

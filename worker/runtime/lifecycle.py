@@ -69,7 +69,7 @@ class Runtime:
             self.outbox, on_responses=self.executor.submit, on_fatal=self.fail,
             max_message_bytes=config.max_message_bytes,
             relays_to=self.endpoint.address if config.host_aggregator else None,
-            stack_dump_handler=stack_dump_handler)
+            stack_dump_handler=stack_dump_handler, host_timeout_s=config.host_timeout_s)
         autotune.attach(self)  # RINGMASTER_AUTOTUNE: before the thread that uses it starts
         if self.cache is not None:
             self.cache.autotune = self.executor.autotune
@@ -91,8 +91,8 @@ class Runtime:
         # watch on the coordinator (host_watch.py).
         self.host_agent = host_watch.start_host_agent(comm, config, self.endpoint.address, self.endpoint.secret)
         self.watch = host_watch.CoordinatorWatch(
-            self.endpoint.address, self.endpoint.secret, self.rank, config.host_timeout_s, self.fail,
-            pid=host_watch.coordinator_pid(self.endpoint.process)).start()
+            self.endpoint.address, self.rank, config.host_timeout_s, self.fail,
+            pid=host_watch.coordinator_pid(self.endpoint.process), agent=self.host_agent).start()
 
     def _heartbeat(self) -> pb.Heartbeat:
         """What an idle stream sends: the gradient plans this rank waits in, its cache's cycles."""

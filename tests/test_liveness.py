@@ -1,0 +1,157 @@
+"""Liveness without calls per rank, and errors named as they are (issue 55, points 1, 3 and 4).
+
+Real processes: a coordinator daemon (tests/coordinator_clients.py), stopped with SIGSTOP
+where a test needs a coordinator that does not answer; the host agent as the rank starts it
+(``python -m ringmaster.coordinator.host_agent``); the rank's watch on it. No MPI job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from coordinator_clients import SECRET, Daemon, Stream
+from ringmaster.common import interfaces, keepalive, proc, rpc_status
+from ringmaster.worker.runtime.host_watch import CoordinatorWatch
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def daemon():
+    made = Daemon(size=1)
+    yield made
+    if made.alive():
+        os.kill(made.process.pid, signal.SIGCONT)
+    made.close()
+
+
+def test_every_interface_address_of_this_host_is_local():
+    for name in interfaces.interface_names():
+        try:
+            address = interfaces.interface_ipv4(name)
+        except interfaces.InterfaceError:
+            continue
+        assert keepalive.is_local(f"{address}:5000"), f"{name}'s address {address} is not taken as this host's"
+    assert keepalive.is_local(f"{socket.gethostname()}:1") and keepalive.is_local("[::1]:1")
+    assert not keepalive.is_local("10.255.255.1:5000") and not keepalive.is_local("trainer-7.cluster:5000")
+
+
+def test_off_the_coordinators_host_the_streams_pings_are_the_watch():
+    remote = dict(keepalive.stream_options("10.255.255.1:5000", 8.0))
+    assert remote["grpc.keepalive_time_ms"] == keepalive.LIVENESS_INTERVAL_MS
+    assert remote["grpc.keepalive_timeout_ms"] == remote["grpc.http2.ping_timeout_ms"] == 8000
+    assert dict(keepalive.stream_options("10.255.255.1:5000", 0))["grpc.http2.ping_timeout_ms"] == \
+        keepalive.PING_TIMEOUT_MS  # RINGMASTER_HOST_TIMEOUT_S=0: only the long timeout
+    local = dict(keepalive.stream_options("127.0.0.1:5000", 8.0))
+    assert local["grpc.http2.ping_timeout_ms"] == keepalive.LOCAL_PING_TIMEOUT_MS
+    server = dict(keepalive.server_options())
+    assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] <= keepalive.LIVENESS_INTERVAL_MS
+
+
+def test_a_stream_to_a_stopped_coordinator_breaks_after_the_host_timeout_and_not_before(daemon):
+    timeout_s = 3.0
+    channel = grpc.insecure_channel(daemon.address, options=keepalive.client_options(
+        keepalive.LIVENESS_INTERVAL_MS, int(timeout_s * 1000)))
+    stream = Stream(daemon.address, channel=channel)
+    try:
+        stream.register(0, size=1)
+        stream.welcome()
+        time.sleep(2.5)  # a live coordinator answers the pings: the stream lives on
+        assert not stream.ended.is_set()
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert stream.ended.wait(timeout_s + 15), "the stream outlived a stopped coordinator"
+        waited = time.monotonic() - stopped
+        error = stream.next(1)
+        assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+        assert keepalive.unanswered(error.details()), error.details()
+        assert timeout_s - 0.5 <= waited <= timeout_s + keepalive.LIVENESS_INTERVAL_MS / 1000 + 5, waited
+    finally:
+        stream.close()
+        channel.close()
+
+
+def start_agent(address: str, secret: str, ranks: str, host_timeout_s: float = 8.0):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGMASTER_")}
+    env.update(RINGMASTER_SECRET=secret, RINGMASTER_HOST_TIMEOUT_S=str(host_timeout_s))
+    return subprocess.Popen([sys.executable, "-m", "ringmaster.coordinator.host_agent", "--coordinator", address,
+                             "--host", "agent-test", "--ranks", ranks], stdin=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def test_a_wrong_token_ends_the_agent_and_its_rank_at_once_naming_the_status(daemon):
+    own = f"0:{os.getpid()}:{proc.start_time(os.getpid())}"
+    started = time.monotonic()
+    agent = start_agent(daemon.address, SECRET + "-wrong", own)
+    failures = []
+    watch = CoordinatorWatch("10.255.255.1:5000", rank=3, timeout_s=8.0, on_fatal=failures.append,
+                             agent=agent).start()  # the rank that started the agent, off the coordinator's host
+    try:
+        _, stderr = agent.communicate(timeout=30)
+        deadline = time.monotonic() + 10
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended_s = time.monotonic() - started
+    finally:
+        watch.stop()
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == rpc_status.exit_status(grpc.StatusCode.UNAUTHENTICATED), stderr
+    assert "answered UNAUTHENTICATED" in stderr and "RINGMASTER_SECRET" in stderr, stderr
+    [error] = failures
+    assert "rank 3: this host's ringmaster host agent" in str(error)
+    assert "with UNAUTHENTICATED, a status that will not go away" in str(error), error
+    assert ended_s < 8.0, f"took {ended_s:.1f} s: a wrong token was waited out like silence"
+
+
+def test_an_agent_that_hears_nothing_ends_its_orphans_after_twice_the_timeout_naming_the_last_status():
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{free.getsockname()[1]}"  # nothing listens there once closed
+    rank = subprocess.Popen(["sleep", "60"])
+    try:
+        started = time.monotonic()
+        agent = start_agent(address, SECRET, f"0:{rank.pid}:{proc.start_time(rank.pid)}", host_timeout_s=1.0)
+        _, stderr = agent.communicate(timeout=30)
+        ended_s = time.monotonic() - started
+        assert agent.returncode == 1, stderr
+        assert "has not answered for" in stderr and "last status UNAVAILABLE" in stderr, stderr
+        assert rank.wait(10) in (-signal.SIGTERM, -signal.SIGKILL)
+        assert 2.0 <= ended_s < 15, ended_s
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_call_record_names_permanent_statuses_and_counts_the_rest_as_silence():
+    class Failure(grpc.RpcError):
+        def __init__(self, code, details):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    now = [0.0]
+    record = rpc_status.CallRecord(clock=lambda: now[0])
+    assert record.failed(Failure(grpc.StatusCode.UNAVAILABLE, "connection refused")) is None
+    assert record.failed(Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "")) is None
+    now[0] = 5.0
+    assert record.silent_s() == 5.0 and record.failures == 2 and record.last() == "last status DEADLINE_EXCEEDED"
+    for code in rpc_status.PERMANENT:
+        assert record.failed(Failure(code, "no")) is code
+        assert rpc_status.status_of_exit(rpc_status.exit_status(code)) is code and code in rpc_status.FIXES
+    assert rpc_status.status_of_exit(1) is None and rpc_status.status_of_exit(-15) is None
+    record.answered()
+    assert record.silent_s() == 0 and record.failures == 0
