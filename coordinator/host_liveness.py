@@ -97,6 +97,7 @@ class HostLiveness:
         self.missed: Dict[str, Tuple[int, float]] = {}
         #: the longest silence of any agent between two beats so far (for the docs' figure)
         self.longest_gap_s = 0.0
+        self._gap_logged = BEAT_INTERVAL_S
 
     def beat(self, value: str) -> str:
         """A ``Ping`` carried :data:`METADATA_KEY` with ``value``; returns the :data:`STACKS_KEY`
@@ -116,7 +117,8 @@ class HostLiveness:
         now = self._clock()
         if previous is not None and now - previous.last_seen > self.longest_gap_s:
             self.longest_gap_s = now - previous.last_seen
-            if self.longest_gap_s > 2 * BEAT_INTERVAL_S:
+            if self.longest_gap_s > 1.1 * self._gap_logged:  # a new record, logged when it grew by a tenth
+                self._gap_logged = self.longest_gap_s
                 log.info("the longest silence of a host agent so far: %s, %.2f s between two beats", host,
                          self.longest_gap_s)
         self.hosts[host] = HostBeat(agent_pid, now, states)
