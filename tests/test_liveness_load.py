@@ -9,7 +9,8 @@ host agent per host (``python -m ringmaster.coordinator.host_agent``) beating fo
 and one spinning process per core. Everything runs with ringmaster's defaults
 (``RINGMASTER_HOST_TIMEOUT_S=8``). Passes when every rank finishes without an abort or a
 broken stream; prints the largest gap between two beats of one agent the coordinator saw (the
-figure in docs/configuration.md). ``RINGMASTER_LOAD_TEST_S`` shortens it (default 300).
+figure in docs/configuration.md). It runs only when ``RINGMASTER_LOAD_TEST_S`` says how long
+(300 for the 5 minutes the docs quote): its CPU hog would slow every test running beside it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from ringmaster.common import proc
 DURATION_S = float(os.environ.get("RINGMASTER_LOAD_TEST_S", "300"))
 RANKS, PER_HOST = 8, 2
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(DURATION_S + 180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(DURATION_S + 180),
+              pytest.mark.skipif("RINGMASTER_LOAD_TEST_S" not in os.environ,
+                                 reason="a CPU hog at full load for minutes: run with RINGMASTER_LOAD_TEST_S=300")]
 
 RANK = textwrap.dedent("""
     import os, sys, time
