@@ -155,3 +155,50 @@ def test_call_record_names_permanent_statuses_and_counts_the_rest_as_silence():
     assert rpc_status.status_of_exit(1) is None and rpc_status.status_of_exit(-15) is None
     record.answered()
     assert record.silent_s() == 0 and record.failures == 0
+
+
+def test_a_stopped_coordinator_reaches_the_ranks_behind_a_host_aggregator_saying_so(daemon):
+    """The aggregator's stream upstream carries the host's watch on the coordinator: once its
+    pings go unanswered for the host timeout, every rank behind it gets an abort saying so."""
+    import asyncio
+
+    from ringmaster.coordinator.aggregator import HostAggregator
+    from ringmaster.coordinator.auth import call_metadata
+    from ringmaster.proto import ringmaster_pb2 as pb
+
+    timeout_s = 3.0
+
+    async def scenario():
+        aggregator = HostAggregator(daemon.address, SECRET, 16 << 20, host_timeout_s=timeout_s,
+                                    upstream_options=keepalive.client_options(keepalive.LIVENESS_INTERVAL_MS,
+                                                                              int(timeout_s * 1000)))
+        await aggregator.start()
+        outgoing: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (message := await outgoing.get()) is not None:
+                yield message.SerializeToString()
+
+        channel = grpc.aio.insecure_channel(aggregator.address)
+        call = channel.stream_stream("/ringmaster.Coordinator/Negotiate", request_serializer=None,
+                                     response_deserializer=pb.CoordinatorMessage.FromString)(
+            requests(), metadata=call_metadata(SECRET))
+        try:
+            outgoing.put_nowait(pb.RankMessage(register=pb.Register(rank=0, size=1, hostname="behind", pid=1)))
+            assert (await asyncio.wait_for(call.read(), 30)).WhichOneof("kind") == "welcome"
+            await asyncio.sleep(2.0)  # answered pings: nothing happens
+            os.kill(daemon.process.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            message = await asyncio.wait_for(call.read(), timeout_s + 15)
+            return message, time.monotonic() - stopped
+        finally:
+            outgoing.put_nowait(None)
+            call.cancel()
+            await channel.close(grace=None)
+            await aggregator.stop()
+
+    message, waited = asyncio.run(scenario())
+    assert message.WhichOneof("kind") == "abort", message
+    assert "stopped answering: keepalive pings on this stream got no answer for 3 s" in message.abort.reason, \
+        message.abort.reason
+    assert timeout_s - 0.5 <= waited <= timeout_s + 6, waited
