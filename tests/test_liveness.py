@@ -202,3 +202,34 @@ def test_a_stopped_coordinator_reaches_the_ranks_behind_a_host_aggregator_saying
     assert "stopped answering: keepalive pings on this stream got no answer for 3 s" in message.abort.reason, \
         message.abort.reason
     assert timeout_s - 0.5 <= waited <= timeout_s + 6, waited
+
+
+def test_a_ranks_stream_to_a_stopped_coordinator_on_another_host_fails_the_rank_saying_so(daemon, monkeypatch):
+    """A rank's own stream is its watch on a coordinator of another host (the address is taken
+    as remote here, as it is from another host): once its pings go unanswered for the host
+    timeout, the rank fails naming the silence and the last status, with no probe after it."""
+    from ringmaster.worker.runtime.client import CoordinatorClient
+    from ringmaster.worker.runtime.errors import CoordinatorUnreachableError
+    from ringmaster.worker.runtime.outbox import Outbox
+
+    monkeypatch.setattr(keepalive, "is_local", lambda address: False)
+    failures = []
+    client = CoordinatorClient(daemon.address, SECRET, 0, 1, "remote-host", os.getpid(), Outbox(0.001, 1.0),
+                               on_responses=lambda responses: None, on_fatal=failures.append, host_timeout_s=3.0)
+    try:
+        client.connect(30)
+        time.sleep(2.0)
+        assert not failures
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        deadline = stopped + 20
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        waited = time.monotonic() - stopped
+    finally:
+        client.close(timeout_s=0.5)
+    [error] = failures
+    assert isinstance(error, CoordinatorUnreachableError)
+    assert f"rank 0: the coordinator at {daemon.address} stopped answering: keepalive pings" in str(error), error
+    assert "(last status UNAVAILABLE: " in str(error) and "this rank ends" in str(error), error
+    assert 2.5 <= waited <= 3.0 + 6, waited
