@@ -118,6 +118,8 @@ class CoordinatorWatch:
             if self.agent is not None and self._agent_refused():
                 return
             if self.pid is None:
+                if self.agent is None:
+                    return  # the agent ended otherwise, and there is nothing else to watch here
                 continue
             now = time.monotonic()
             if proc.state(self.pid) not in proc.STOPPED_STATES:
