@@ -46,8 +46,10 @@ requests once, merged for all K, when the last of its ranks would have declared 
 skew is the largest of K ranks' skews). On a real cluster every aggregator has its own
 host; here the simulated ones send the coordinator what a real one sends for a host whose
 ranks all declared alike, in ``--host-messages`` messages a step (a real aggregator sends as
-many as its batching makes: the run reports how many the real one sent), without K simulated
-ranks each taking CPU from it.
+many as its batching makes: the run reports how many the real one sent; with
+``--host-messages real`` each simulated host sends, from the second step on, as many as the
+real aggregator of its worker process has sent a step so far), without K simulated ranks each
+taking CPU from it.
 
 Prints a table; ``--json`` writes every figure, ``--plot`` a PNG of latency and memory
 against N (matplotlib). Progress goes to stderr.
@@ -290,7 +292,8 @@ async def _worker_main(ranks, size, address, secret, options, pipe, hosts=()) ->
             simulated += [SimulatedRank(rank, size, aggregator.address, secret, tensors, local,
                                         hostname=f"sim{first // per_host}")
                           for rank in range(first, first + per_host)]
-    simulated += [SimulatedHost(first, per_host, size, address, secret, tensors, options["host_messages"], remote)
+    follow = options["host_messages"] == 0  # "real": as this worker's real aggregator sends
+    simulated += [SimulatedHost(first, per_host, size, address, secret, tensors, options["host_messages"] or 2, remote)
                   for first, per_host, real in hosts if not real]
     simulated += [SimulatedRank(rank, size, address, secret, tensors, remote) for rank in ranks]
     await asyncio.gather(*(rank.register() for rank in simulated))
@@ -305,11 +308,17 @@ async def _worker_main(ranks, size, address, secret, options, pipe, hosts=()) ->
     writes_before = [aggregator.upstream_writes for aggregator in aggregators]
     for step in range(options["steps"]):
         await asyncio.gather(*(rank.step(skew(rank)) for rank in simulated))
+        if follow and aggregators:  # the real aggregators' messages a step so far, rounded
+            sent = sum(a.upstream_writes - before for a, before in zip(aggregators, writes_before))
+            for host in simulated:
+                if isinstance(host, SimulatedHost):
+                    host.messages = max(1, min(LIST_SIZE, round(sent / len(aggregators) / (step + 1))))
     writes = [(aggregator.upstream_writes - before) / options["steps"]
               for aggregator, before in zip(aggregators, writes_before)]
     pipe.send(("steps", [(rank.rank, rank.step_requests_at, rank.step_done_at, rank.step_responses, rank.sent,
                           rank.received, rank.order.hexdigest(), getattr(rank, "per_host", 1)) for rank in simulated],
-               writes, [(agent.sent, agent.answered) for agent in agents]))
+               writes, [(agent.sent, agent.answered) for agent in agents],
+               [host.messages for host in simulated if isinstance(host, SimulatedHost)]))
     # the stall: the last rank of the job holds back its requests
     stall_s = options["stall_s"]
     await asyncio.gather(*(rank.step(stall_s if rank.rank == size - 1 else 0.0) for rank in simulated))
@@ -422,6 +431,7 @@ def measure(size: int, options: dict) -> dict:
             records = [record for report in reports for record in report[1]]
             writes = [per_step for report in reports for per_step in report[2]]
             beats = [beat for report in reports for beat in report[3]]
+            simulated_messages = [count for report in reports for count in report[4]]
             cpu, wall = coordinator.cpu_s() - cpu_before, time.monotonic() - wall_before
             lines_before = len(coordinator.log_lines())
             stall_started = time.monotonic()
@@ -471,6 +481,7 @@ def measure(size: int, options: dict) -> dict:
         "ranks_reporting": sum(ranks for *_, ranks in records),
         # messages each real host aggregator sent the coordinator per step (a simulated host sends one per list)
         "aggregator_messages_per_step": statistics.median(writes) if writes else None,
+        "simulated_host_messages": statistics.median(simulated_messages) if simulated_messages else None,
         "host_timeout_s": options["host_timeout_s"], "agents": len(beats),
         "agent_beats_sent": sum(sent for sent, _ in beats), "agent_beats_answered": sum(done for _, done in beats),
     }
@@ -532,9 +543,11 @@ def main(argv=None) -> int:
                         help="reach the coordinator through host aggregators of this many ranks (1: directly)")
     parser.add_argument("--real-hosts", type=int, default=1,
                         help="with --ranks-per-host: how many hosts run the real aggregator with simulated ranks")
-    parser.add_argument("--host-messages", type=int, default=2,
+    parser.add_argument("--host-messages", default="2",
                         help="messages a simulated host sends per step: its lists merged, one cycle apart "
-                             "(default %(default)s: the first list, then the rest; 10: one per list)")
+                             "(default %(default)s: the first list, then the rest; 10: one per list; 'real': as many "
+                             "as the real aggregator of its worker process sent a step so far, which needs "
+                             "--real-hosts of at least --processes)")
     parser.add_argument("--hold-ms", type=float, default=1e3 * HOLD_S,
                         help="the aggregators' hold time (default %(default)g)")
     parser.add_argument("--heartbeat-interval-s", type=float, default=1.0)
@@ -549,7 +562,8 @@ def main(argv=None) -> int:
                "heartbeat_interval_s": args.heartbeat_interval_s, "stall_warning_s": args.stall_warning_s,
                "stall_s": 2.5 * args.stall_warning_s, "ranks_per_host": args.ranks_per_host,
                "real_hosts": args.real_hosts, "hold_s": args.hold_ms / 1e3,
-               "host_messages": args.host_messages, "host_timeout_s": args.host_timeout_s}
+               "host_messages": 0 if args.host_messages == "real" else int(args.host_messages),
+               "host_timeout_s": args.host_timeout_s}
     rows = []
     for size in (int(text) for text in args.ranks.split(",")):
         progress(f"{size} ranks, {args.steps} steps of {args.tensors} tensors")
