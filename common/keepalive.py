@@ -88,10 +88,15 @@ def client_options(interval_ms: int = PING_INTERVAL_MS, timeout_ms: int = PING_T
 def stream_options(address: str, host_timeout_s: float) -> List[Tuple[str, int]]:
     """Keepalive options of a stream to the coordinator at ``address`` (``host:port``): on another
     host with ``RINGMASTER_HOST_TIMEOUT_S`` on, the watch on the coordinator (a ping every
-    :data:`LIVENESS_INTERVAL_MS`, the stream lost after ``host_timeout_s`` without an answer);
+    :data:`LIVENESS_INTERVAL_MS`, the stream lost once ``host_timeout_s`` have passed since the
+    last answer);
     otherwise pings that only keep the stream open."""
     if host_timeout_s > 0 and not is_local(address):
-        return client_options(LIVENESS_INTERVAL_MS, max(int(host_timeout_s * 1000), 2 * LIVENESS_INTERVAL_MS))
+        # a ping goes out up to an interval after the last answer: silence since that answer
+        # reaches the host timeout when the ping has waited the timeout less one interval
+        # (the watch this replaced counted from the last answer too, and so did its verdicts)
+        timeout_ms = int(host_timeout_s * 1000) - LIVENESS_INTERVAL_MS
+        return client_options(LIVENESS_INTERVAL_MS, max(timeout_ms, LIVENESS_INTERVAL_MS))
     return client_options(timeout_ms=timeout_for(address))
 
 

@@ -47,7 +47,8 @@ def test_every_interface_address_of_this_host_is_local():
 def test_off_the_coordinators_host_the_streams_pings_are_the_watch():
     remote = dict(keepalive.stream_options("10.255.255.1:5000", 8.0))
     assert remote["grpc.keepalive_time_ms"] == keepalive.LIVENESS_INTERVAL_MS
-    assert remote["grpc.keepalive_timeout_ms"] == remote["grpc.http2.ping_timeout_ms"] == 8000
+    # a ping leaves up to an interval after the last answer: 7 s unanswered is 8 s of silence
+    assert remote["grpc.keepalive_timeout_ms"] == remote["grpc.http2.ping_timeout_ms"] == 7000
     assert dict(keepalive.stream_options("10.255.255.1:5000", 0))["grpc.http2.ping_timeout_ms"] == \
         keepalive.PING_TIMEOUT_MS  # RINGMASTER_HOST_TIMEOUT_S=0: only the long timeout
     local = dict(keepalive.stream_options("127.0.0.1:5000", 8.0))
@@ -209,4 +210,4 @@ def test_a_ranks_stream_to_a_stopped_coordinator_on_another_host_fails_the_rank_
     assert isinstance(error, CoordinatorUnreachableError)
     assert f"rank 0: the coordinator at {daemon.address} stopped answering: keepalive pings" in str(error), error
     assert "(last status UNAVAILABLE: " in str(error) and "this rank ends" in str(error), error
-    assert 2.5 <= waited <= 3.0 + 6, waited
+    assert 1.5 <= waited <= 3.0 + 6, waited
