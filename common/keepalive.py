@@ -11,8 +11,8 @@ never to count strikes, and the client interval is never below what the server a
 
 Off the coordinator's host, the same pings are the rank's watch on the coordinator: with
 ``RINGMASTER_HOST_TIMEOUT_S`` on, a stream to a coordinator (or a host aggregator's stream
-upstream) on another host pings every :data:`LIVENESS_INTERVAL_MS`, and breaks once a ping has
-gone unanswered for the host timeout (:func:`stream_options`). HTTP/2 pings are answered by
+upstream) on another host pings every :data:`LIVENESS_INTERVAL_MS`, and breaks once the host
+timeout has passed since the last answer (:func:`stream_options`). HTTP/2 pings are answered by
 gRPC's transport, not by the coordinator's Python loop, so this watch costs the coordinator
 nothing per rank beyond the connection the rank holds anyway.
 
