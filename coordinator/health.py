@@ -27,6 +27,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
+from ringmaster.common import proc
 from ringmaster.common.config import Config
 from ringmaster.coordinator.cache_stalls import describe as describe_cache_stall
 from ringmaster.coordinator.cache_stalls import describe_slow as describe_slow_cache_cycle
@@ -84,15 +85,18 @@ MAX_STACKS = 4
 def ask_for_stacks(sessions: Mapping[int, "RankSession"], ranks: Sequence[int],
                    hosts: Optional["HostLiveness"]) -> None:
     """Have the late ``ranks`` of a stall warning print their Python stacks (SIGUSR1: the runtime's
-    stack dump) while the job still runs: directly on this host, through the host agent elsewhere."""
+    stack dump) while the job still runs: directly on this host, through the host agent elsewhere.
+
+    SIGUSR1's default action ends a process, so only a rank that said it installed the stack dump
+    is asked, and here only while its pid is still the process that registered (its start time):
+    never a reused pid, a process of another pid namespace under the same host name, or a
+    program that owns SIGUSR1 (a SLURM ``--signal=USR1`` preemption handler)."""
     for rank in list(ranks)[:MAX_STACKS]:
         session = sessions.get(rank)
-        if session is None or session.pid <= 0:
+        if session is None or session.pid <= 0 or not session.stack_dump_handler:
             continue
         if session.hostname == socket.gethostname():
-            try:
-                os.kill(session.pid, signal.SIGUSR1)
-            except (ProcessLookupError, PermissionError):
+            if not proc.send_signal(proc.ProcessIdentity(session.pid, session.start_time or None), signal.SIGUSR1):
                 continue
         elif hosts is None or not hosts.want_stacks(session.hostname, session.pid):
             continue
@@ -249,13 +253,10 @@ def process_state(session: "RankSession") -> Optional[str]:
     the rank runs on another host (or this one cannot tell)."""
     if session.hostname != socket.gethostname():
         return None
-    try:
-        with open(f"/proc/{session.pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):  # ESRCH: read while the process was torn down
-        return "gone"
-    except (OSError, IndexError):
-        return None
+    found = proc.stat(session.pid)
+    if found is None:  # ESRCH or ENOENT: torn down as it was read, or gone
+        return "gone" if os.path.isdir("/proc") else None
+    return found.state
 
 
 def process_runs(pid: int, settle_s: float = 0.5) -> Optional[bool]:
@@ -263,16 +264,12 @@ def process_runs(pid: int, settle_s: float = 0.5) -> Optional[bool]:
     sockets before it is gone, so a process still there is watched for ``settle_s``."""
     deadline = time.monotonic() + settle_s
     while True:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                state = stat.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
+        found = proc.stat(pid)
+        if found is None:
             # ESRCH or an empty read: the process was being torn down as it was read (seen once
             # in a full run: the rank was reported as "crashed or its host is gone", not "exited")
-            return False
-        except OSError:
-            return None
-        if state in ("Z", "X"):
+            return False if os.path.isdir("/proc") else None
+        if found.exited:
             return False  # exited, not yet reaped by its parent
         if time.monotonic() >= deadline:
             return True

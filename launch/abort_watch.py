@@ -17,18 +17,12 @@ import json
 import time
 from typing import Callable, Optional
 
+from ringmaster.common import proc
+
 #: Seconds the launcher gets to end on its own after the coordinator aborted the job. mpirun
 #: ends a job whose ranks all exited within about a second when every host answers (the ranks
 #: of an aborted job exit at once); the rest of the bound of 10 s is left for the teardown.
 ABORT_GRACE_S = 5.0
-
-
-def _process_state(pid: int) -> Optional[str]:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 class AbortWatch:
@@ -96,7 +90,7 @@ class AbortWatch:
     def _stopped_coordinator(self, now: float) -> Optional[str]:
         if self.coordinator_pid is None or self.stop_limit_s <= 0:
             return None
-        if _process_state(self.coordinator_pid) not in ("T", "t"):
+        if proc.state(self.coordinator_pid) not in proc.STOPPED_STATES:
             self._stopped_since = None
             return None
         if self._stopped_since is None:

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import List, Mapping, Optional
 
+from ringmaster.common import proc
+
 from .errors import FAILURE_EXIT, LaunchError
 from .processes import die_with_parent
 
@@ -155,11 +157,7 @@ class CoordinatorProcess:
 
 
 def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+    return proc.state(pid) in proc.STOPPED_STATES
 
 
 def _describe_status(code: int) -> str:

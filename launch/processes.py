@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Callable, List, Optional
 
+from ringmaster.common import proc
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -45,22 +47,11 @@ def session_members(session_id: int) -> List[int]:
     rank in a process group of its own, but the ranks stay in mpirun's session.
     """
     members = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return members
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(b")", 1)[-1].split()
-        # fields: state ppid pgrp session ...; zombies are gone for our purposes
-        if len(fields) > 3 and fields[0] != b"Z" and int(fields[3]) == session_id:
-            members.append(int(entry))
+    for pid in proc.iter_pids():
+        found = proc.stat(pid)
+        # zombies are gone for our purposes
+        if found is not None and not found.exited and found.session == session_id:
+            members.append(pid)
     return members
 
 
