@@ -139,7 +139,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _reductions_pending(self) -> bool:
         """Gradients of this step are being reduced (gradient_reads.py)."""
-        return bool(self._handles) or self._plans.step_open
+        return bool(self._handles) or self._plans.step_in_flight()
 
     def _finish_for_reader(self) -> None:
         """A read of ``param_groups`` after backward: reduce now; ``step()`` does not again."""
