@@ -27,6 +27,15 @@ Measured, per N:
 - **same order**: every rank received the same response lists, in the same order, with
   the same fused names (a hash of them per rank).
 
+Liveness is simulated as real hosts run it, with the default ``RINGMASTER_HOST_TIMEOUT_S``
+(``--host-timeout-s``): the ranks are spread over hosts named ``simH`` (8 ranks each, or
+``--ranks-per-host``), none of them the coordinator's, and every host's agent beats the
+coordinator once a second (a ``Ping`` carrying the host's ranks' states, as
+``ringmaster.coordinator.host_agent`` sends it), from the worker process that holds the host's
+first rank; every stream to the coordinator (a rank's, a simulated or real aggregator's) pings
+every second with the host timeout, as a stream from another host does
+(``common/keepalive.py``). The beats sent and answered are in the results.
+
 With ``--ranks-per-host K`` the ranks reach the coordinator through host aggregators
 (``RINGMASTER_HOST_AGGREGATOR``), K ranks per host. The last ``--real-hosts`` hosts run the
 real aggregator (``ringmaster.coordinator.aggregator``, in a worker process) with K simulated
@@ -37,8 +46,10 @@ requests once, merged for all K, when the last of its ranks would have declared 
 skew is the largest of K ranks' skews). On a real cluster every aggregator has its own
 host; here the simulated ones send the coordinator what a real one sends for a host whose
 ranks all declared alike, in ``--host-messages`` messages a step (a real aggregator sends as
-many as its batching makes: the run reports how many the real one sent), without K simulated
-ranks each taking CPU from it.
+many as its batching makes: the run reports how many the real one sent; with
+``--host-messages real`` each simulated host sends, from the second step on, as many as the
+real aggregator of its worker process has sent a step so far), without K simulated ranks each
+taking CPU from it.
 
 Prints a table; ``--json`` writes every figure, ``--plot`` a PNG of latency and memory
 against N (matplotlib). Progress goes to stderr.
@@ -61,7 +72,8 @@ import time
 
 import grpc
 
-from ringmaster.common import proc
+from ringmaster.common import keepalive, proc
+from ringmaster.common.config import Config
 from ringmaster.common.message_size import grpc_options
 from ringmaster.coordinator.aggregator import HostAggregator
 from ringmaster.proto.auth import call_metadata
@@ -69,10 +81,20 @@ from ringmaster.coordinator.host_merge import HOLD_S
 from ringmaster.launch.coordinator_process import CoordinatorProcess
 from ringmaster.proto import ringmaster_pb2 as pb
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from simulated_agents import agents_of  # noqa: E402
+
 NEGOTIATE = "/ringmaster.Coordinator/Negotiate"
 NEGOTIATE_HOST = "/ringmaster.Coordinator/NegotiateHost"
 MESSAGE_BYTES = 16 << 20
 LIST_SIZE = 10  # requests per message, as a backward pass hands gradients over in bursts
+#: Ranks per simulated host when they reach the coordinator directly.
+RANKS_PER_HOST = 8
+
+
+def remote_options(options) -> list:
+    """A stream's keepalive as from another host: the watch on the coordinator (keepalive.py)."""
+    return keepalive.stream_options("remote.invalid:1", options["host_timeout_s"])
 
 
 def progress(text: str) -> None:
@@ -91,9 +113,11 @@ def step_requests(names):
 class SimulatedRank:
     """One rank: a channel, a ``Negotiate`` stream, a heartbeat task and the steps' timings."""
 
-    def __init__(self, rank: int, size: int, address: str, secret: str, tensors: int):
+    def __init__(self, rank: int, size: int, address: str, secret: str, tensors: int, keepalive_options=(),
+                 hostname: str = ""):
         self.rank, self.size, self.tensors = rank, size, tensors
-        self.channel = grpc.aio.insecure_channel(address, options=grpc_options(MESSAGE_BYTES))
+        self.hostname = hostname or f"sim{rank // RANKS_PER_HOST}"
+        self.channel = grpc.aio.insecure_channel(address, options=list(keepalive_options) + grpc_options(MESSAGE_BYTES))
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.call = self.channel.stream_stream(NEGOTIATE, request_serializer=None,
                                                response_deserializer=pb.CoordinatorMessage.FromString)(
@@ -117,7 +141,7 @@ class SimulatedRank:
         self.outgoing.put_nowait(message)
 
     async def register(self) -> None:
-        self.send(pb.RankMessage(register=pb.Register(rank=self.rank, size=self.size, hostname=f"sim{self.rank // 8}",
+        self.send(pb.RankMessage(register=pb.Register(rank=self.rank, size=self.size, hostname=self.hostname,
                                                       pid=100000 + self.rank)))
         message = await self.call.read()
         self.received += 1
@@ -184,10 +208,10 @@ class SimulatedHost(SimulatedRank):
     every rank of its host declared alike)."""
 
     def __init__(self, first_rank: int, per_host: int, size: int, address: str, secret: str, tensors: int,
-                 messages: int = 2):
+                 messages: int = 2, keepalive_options=()):
         self.rank, self.size, self.tensors, self.per_host = first_rank, size, tensors, per_host
         self.messages = messages
-        self.channel = grpc.aio.insecure_channel(address, options=grpc_options(MESSAGE_BYTES))
+        self.channel = grpc.aio.insecure_channel(address, options=list(keepalive_options) + grpc_options(MESSAGE_BYTES))
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.call = self.channel.stream_stream(NEGOTIATE_HOST, request_serializer=None,
                                                response_deserializer=pb.HostDownstream.FromString)(
@@ -257,18 +281,25 @@ def _split(items, parts: int):
 async def _worker_main(ranks, size, address, secret, options, pipe, hosts=()) -> None:
     """Runs ``ranks`` (direct streams) and ``hosts``: (first rank, ranks per host, real)."""
     tensors, aggregators, simulated = options["tensors"], [], []
+    remote = remote_options(options)
     for first, per_host, real in hosts:
         if real:  # the real aggregator, with its ranks connected to it as on a real host
-            aggregator = HostAggregator(address, secret, MESSAGE_BYTES, hold_s=options["hold_s"])
+            aggregator = HostAggregator(address, secret, MESSAGE_BYTES, hold_s=options["hold_s"],
+                                        host_timeout_s=options["host_timeout_s"], upstream_options=remote)
             await aggregator.start()
             aggregators.append(aggregator)
-            simulated += [SimulatedRank(rank, size, aggregator.address, secret, tensors)
+            local = keepalive.stream_options(aggregator.address, options["host_timeout_s"])
+            simulated += [SimulatedRank(rank, size, aggregator.address, secret, tensors, local,
+                                        hostname=f"sim{first // per_host}")
                           for rank in range(first, first + per_host)]
-    simulated += [SimulatedHost(first, per_host, size, address, secret, tensors, options["host_messages"])
+    follow = options["host_messages"] == 0  # "real": as this worker's real aggregator sends
+    simulated += [SimulatedHost(first, per_host, size, address, secret, tensors, options["host_messages"] or 2, remote)
                   for first, per_host, real in hosts if not real]
-    simulated += [SimulatedRank(rank, size, address, secret, tensors) for rank in ranks]
+    simulated += [SimulatedRank(rank, size, address, secret, tensors, remote) for rank in ranks]
     await asyncio.gather(*(rank.register() for rank in simulated))
+    agents = agents_of(ranks, RANKS_PER_HOST, hosts, size, address, secret) if options["host_timeout_s"] > 0 else []
     beats = [asyncio.ensure_future(rank.heartbeats(options["heartbeat_interval_s"])) for rank in simulated]
+    beats += [asyncio.ensure_future(agent.beats()) for agent in agents]
     pipe.send(("registered", max(rank.welcomed_at for rank in simulated)))
     generator = random.Random(simulated[0].rank)
     def skew(rank) -> float:  # a simulated host sends when the last of its ranks would have
@@ -277,11 +308,17 @@ async def _worker_main(ranks, size, address, secret, options, pipe, hosts=()) ->
     writes_before = [aggregator.upstream_writes for aggregator in aggregators]
     for step in range(options["steps"]):
         await asyncio.gather(*(rank.step(skew(rank)) for rank in simulated))
+        if follow and aggregators:  # the real aggregators' messages a step so far, rounded
+            sent = sum(a.upstream_writes - before for a, before in zip(aggregators, writes_before))
+            for host in simulated:
+                if isinstance(host, SimulatedHost):
+                    host.messages = max(1, min(LIST_SIZE, round(sent / len(aggregators) / (step + 1))))
     writes = [(aggregator.upstream_writes - before) / options["steps"]
               for aggregator, before in zip(aggregators, writes_before)]
     pipe.send(("steps", [(rank.rank, rank.step_requests_at, rank.step_done_at, rank.step_responses, rank.sent,
                           rank.received, rank.order.hexdigest(), getattr(rank, "per_host", 1)) for rank in simulated],
-               writes))
+               writes, [(agent.sent, agent.answered) for agent in agents],
+               [host.messages for host in simulated if isinstance(host, SimulatedHost)]))
     # the stall: the last rank of the job holds back its requests
     stall_s = options["stall_s"]
     await asyncio.gather(*(rank.step(stall_s if rank.rank == size - 1 else 0.0) for rank in simulated))
@@ -299,6 +336,8 @@ async def _worker_main(ranks, size, address, secret, options, pipe, hosts=()) ->
     for rank in simulated:
         rank.send(None)
         await rank.channel.close(grace=None)
+    for agent in agents:
+        await agent.channel.close(grace=None)
     for aggregator in aggregators:
         await aggregator.stop()
 
@@ -320,6 +359,7 @@ class Coordinator:
         env.update({"RINGMASTER_SECRET": self.secret,
                     "RINGMASTER_HEARTBEAT_INTERVAL_S": str(options["heartbeat_interval_s"]),
                     "RINGMASTER_STALL_WARNING_S": str(options["stall_warning_s"]),
+                    "RINGMASTER_HOST_TIMEOUT_S": str(options["host_timeout_s"]),
                     "RINGMASTER_START_TIMEOUT": "120"})
         self.log_path = os.path.join(directory, "coordinator.log")
         self._log = open(self.log_path, "w")
@@ -390,6 +430,8 @@ def measure(size: int, options: dict) -> dict:
             reports = [_expect(pipe, "steps", timeout=600) for pipe in pipes]
             records = [record for report in reports for record in report[1]]
             writes = [per_step for report in reports for per_step in report[2]]
+            beats = [beat for report in reports for beat in report[3]]
+            simulated_messages = [count for report in reports for count in report[4]]
             cpu, wall = coordinator.cpu_s() - cpu_before, time.monotonic() - wall_before
             lines_before = len(coordinator.log_lines())
             stall_started = time.monotonic()
@@ -439,6 +481,9 @@ def measure(size: int, options: dict) -> dict:
         "ranks_reporting": sum(ranks for *_, ranks in records),
         # messages each real host aggregator sent the coordinator per step (a simulated host sends one per list)
         "aggregator_messages_per_step": statistics.median(writes) if writes else None,
+        "simulated_host_messages": statistics.median(simulated_messages) if simulated_messages else None,
+        "host_timeout_s": options["host_timeout_s"], "agents": len(beats),
+        "agent_beats_sent": sum(sent for sent, _ in beats), "agent_beats_answered": sum(done for _, done in beats),
     }
 
 
@@ -498,13 +543,18 @@ def main(argv=None) -> int:
                         help="reach the coordinator through host aggregators of this many ranks (1: directly)")
     parser.add_argument("--real-hosts", type=int, default=1,
                         help="with --ranks-per-host: how many hosts run the real aggregator with simulated ranks")
-    parser.add_argument("--host-messages", type=int, default=2,
+    parser.add_argument("--host-messages", default="2",
                         help="messages a simulated host sends per step: its lists merged, one cycle apart "
-                             "(default %(default)s: the first list, then the rest; 10: one per list)")
+                             "(default %(default)s: the first list, then the rest; 10: one per list; 'real': as many "
+                             "as the real aggregator of its worker process sent a step so far, which needs "
+                             "--real-hosts of at least --processes)")
     parser.add_argument("--hold-ms", type=float, default=1e3 * HOLD_S,
                         help="the aggregators' hold time (default %(default)g)")
     parser.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     parser.add_argument("--stall-warning-s", type=float, default=2.0)
+    parser.add_argument("--host-timeout-s", type=float, default=Config.host_timeout_s,
+                        help="RINGMASTER_HOST_TIMEOUT_S of the job (default %(default)g, ringmaster's; 0: no agents, "
+                             "no liveness pings)")
     parser.add_argument("--json", metavar="PATH", help="write every figure here")
     parser.add_argument("--plot", metavar="PATH", help="save a PNG of latency and memory against N (matplotlib)")
     args = parser.parse_args(argv)
@@ -512,7 +562,8 @@ def main(argv=None) -> int:
                "heartbeat_interval_s": args.heartbeat_interval_s, "stall_warning_s": args.stall_warning_s,
                "stall_s": 2.5 * args.stall_warning_s, "ranks_per_host": args.ranks_per_host,
                "real_hosts": args.real_hosts, "hold_s": args.hold_ms / 1e3,
-               "host_messages": args.host_messages}
+               "host_messages": 0 if args.host_messages == "real" else int(args.host_messages),
+               "host_timeout_s": args.host_timeout_s}
     rows = []
     for size in (int(text) for text in args.ranks.split(",")):
         progress(f"{size} ranks, {args.steps} steps of {args.tensors} tensors")

@@ -83,11 +83,20 @@ class HostAggregator:
         hold_s: how long a request waits for the rest of the host (:data:`.host_merge.HOLD_S`).
         cycle_s: the shortest time between two messages to the coordinator
             (``RINGMASTER_CYCLE_TIME``, as the ranks batch their own requests).
+        host_timeout_s: ``RINGMASTER_HOST_TIMEOUT_S``: with a coordinator on another host, the
+            stream upstream breaks after this long without an answer to its keepalive pings.
+        upstream_options: the upstream stream's keepalive options, instead of those derived
+            from the address and ``host_timeout_s`` (the control-plane bench simulates remote hosts).
     """
 
     def __init__(self, upstream: str, secret: str, max_message_bytes: int, bind_host: str = "127.0.0.1",
-                 hold_s: float = HOLD_S, cycle_s: float = 0.001):
+                 hold_s: float = HOLD_S, cycle_s: float = 0.001, host_timeout_s: float = 0.0,
+                 upstream_options: Optional[list] = None):
         self.upstream = upstream
+        self.host_timeout_s = host_timeout_s
+        #: keepalive of the stream upstream: the host's watch on the coordinator (keepalive.py)
+        self._upstream_options = (upstream_options if upstream_options is not None
+                                  else keepalive.stream_options(upstream, host_timeout_s))
         self.bind_host = bind_host
         self.port = 0
         self.finished: Optional[asyncio.Event] = None
@@ -117,8 +126,7 @@ class HostAggregator:
         self.finished = asyncio.Event()
         self._upstream_queue = asyncio.Queue()
         self._channel = grpc.aio.insecure_channel(
-            self.upstream, options=keepalive.client_options(timeout_ms=keepalive.timeout_for(self.upstream))
-            + grpc_options(self._limit))
+            self.upstream, options=self._upstream_options + grpc_options(self._limit))
         call = self._channel.stream_stream(NEGOTIATE_HOST, request_serializer=None,
                                            response_deserializer=pb.HostDownstream.FromString)
         self._call = call(self._upstream_messages(), metadata=call_metadata(self._secret))
@@ -200,6 +208,8 @@ class HostAggregator:
                 self._deliver(downstream)
         except grpc.RpcError as error:
             why = f"{error.code().name}: {error.details()}"
+            if self.host_timeout_s > 0 and keepalive.unanswered(error.details() or ""):
+                why = f"{keepalive.silence_reason(self.upstream, self.host_timeout_s)} (last status {why})"
         except asyncio.CancelledError:
             return
         self._upstream_lost(why)
@@ -338,7 +348,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def _run(args, config: Config) -> int:
     aggregator = HostAggregator(args.upstream, config.secret, config.max_message_bytes, args.bind,
-                                args.hold_ms / 1e3, config.cycle_time_ms / 1e3)
+                                args.hold_ms / 1e3, config.cycle_time_ms / 1e3, config.host_timeout_s)
     await aggregator.start()
     if args.address_file:
         write_address(args.address_file, aggregator.address)

@@ -85,15 +85,18 @@ MAX_STACKS = 4
 def ask_for_stacks(sessions: Mapping[int, "RankSession"], ranks: Sequence[int],
                    hosts: Optional["HostLiveness"]) -> None:
     """Have the late ``ranks`` of a stall warning print their Python stacks (SIGUSR1: the runtime's
-    stack dump) while the job still runs: directly on this host, through the host agent elsewhere."""
+    stack dump) while the job still runs: directly on this host, through the host agent elsewhere.
+
+    SIGUSR1's default action ends a process, so only a rank that said it installed the stack dump
+    is asked, and here only while its pid is still the process that registered (its start time):
+    never a reused pid, a process of another pid namespace under the same host name, or a
+    program that owns SIGUSR1 (a SLURM ``--signal=USR1`` preemption handler)."""
     for rank in list(ranks)[:MAX_STACKS]:
         session = sessions.get(rank)
-        if session is None or session.pid <= 0:
+        if session is None or session.pid <= 0 or not session.stack_dump_handler:
             continue
         if session.hostname == socket.gethostname():
-            try:
-                os.kill(session.pid, signal.SIGUSR1)
-            except (ProcessLookupError, PermissionError):
+            if not proc.send_signal(proc.ProcessIdentity(session.pid, session.start_time or None), signal.SIGUSR1):
                 continue
         elif hosts is None or not hosts.want_stacks(session.hostname, session.pid):
             continue

@@ -7,7 +7,11 @@ can block, that calls ``Ping`` every :data:`BEAT_INTERVAL_S` with :data:`METADAT
 its host and the ``/proc`` state of each of the host's ranks. Here:
 
 - a host whose agent has been silent for ``RINGMASTER_HOST_TIMEOUT_S`` (default 8 s) while
-  the job needs a rank on it is unreachable: the job ends naming the host and its ranks;
+  the job needs a rank on it, *and* whose beats the coordinator saw missing at least
+  :data:`MISSED_BEATS` times in a row while it ran (one look a beat interval apart), is
+  unreachable: the job ends naming the host and its ranks. The second condition is the
+  evidence: a coordinator that was itself starved of the CPU and wakes to find every agent's
+  last beat old has seen one gap, not several, and waits for more;
 - a rank that is silent while its host's agent answers is a hang *on that host*; the state
   the agent read (stopped, exited, running) says which, as ``/proc`` does for ranks on the
   coordinator's own host (:func:`.health._silent_rank`).
@@ -37,6 +41,11 @@ METADATA_KEY = "ringmaster-host-agent"
 STACKS_KEY = "ringmaster-print-stacks"
 #: How often an agent beats. One second: a beat is one small unary call per host.
 BEAT_INTERVAL_S = 1.0
+#: Looks a beat interval apart, in a row, that must find a host's beat missing before the host
+#: can be declared unreachable (and only once the host timeout has passed as well).
+MISSED_BEATS = 3
+#: A beat is missing once this many beat intervals have passed without one (a beat may come late).
+OVERDUE_BEATS = 1.5
 #: Hosts remembered at most (a job has at most one agent per host; a client with the token
 #: inventing host names must not grow the table without bound).
 MAX_HOSTS = 65536
@@ -84,6 +93,11 @@ class HostLiveness:
         #: when every rank last registered: a host with ranks whose agent was never heard is
         #: silent since then (a link cut before its agent's first beat)
         self.welcomed_at: Optional[float] = None
+        #: host -> (beats seen missing in a row, when that was last counted)
+        self.missed: Dict[str, Tuple[int, float]] = {}
+        #: the longest silence of any agent between two beats so far (for the docs' figure)
+        self.longest_gap_s = 0.0
+        self._gap_logged = BEAT_INTERVAL_S
 
     def beat(self, value: str) -> str:
         """A ``Ping`` carried :data:`METADATA_KEY` with ``value``; returns the :data:`STACKS_KEY`
@@ -100,7 +114,15 @@ class HostLiveness:
             return ""
         if previous is None:
             log.info("the host agent of %s (pid %d) is heard; ranks there: %s", host, agent_pid, states)
-        self.hosts[host] = HostBeat(agent_pid, self._clock(), states)
+        now = self._clock()
+        if previous is not None and now - previous.last_seen > self.longest_gap_s:
+            self.longest_gap_s = now - previous.last_seen
+            if self.longest_gap_s > 1.1 * self._gap_logged:  # a new record, logged when it grew by a tenth
+                self._gap_logged = self.longest_gap_s
+                log.info("the longest silence of a host agent so far: %s, %.2f s between two beats", host,
+                         self.longest_gap_s)
+        self.hosts[host] = HostBeat(agent_pid, now, states)
+        self.missed.pop(host, None)
         wanted = previous.stacks_wanted if previous is not None else set()
         return ",".join(str(pid) for pid in sorted(wanted))
 
@@ -130,12 +152,24 @@ class HostLiveness:
     def forget(self, host: str) -> None:
         """Stop watching ``host`` (the job no longer has a rank there)."""
         self.hosts.pop(host, None)
+        self.missed.pop(host, None)
+
+    def _count_missed(self, host: str, silent_s: float, now: float) -> int:
+        """Count one more missed beat of ``host`` if its beat is overdue and the last count is a
+        beat interval old; returns the count in a row."""
+        count, counted_at = self.missed.get(host, (0, -1e18))
+        if silent_s > OVERDUE_BEATS * BEAT_INTERVAL_S and now - counted_at >= BEAT_INTERVAL_S:
+            count, counted_at = count + 1, now
+            self.missed[host] = (count, counted_at)
+        return count
 
     def check(self, timeout_s: float, sessions: Mapping[int, Any], now: float,
               own_host: str) -> Optional[Verdict]:
         """The verdict on the first host the job needs (other than ``own_host``, the
         coordinator's) whose agent is silent past ``timeout_s``, or was never heard although
-        every rank registered ``timeout_s`` ago. ``sessions``: rank -> its ``RankSession``."""
+        every rank registered ``timeout_s`` ago, and whose beats this coordinator saw missing
+        :data:`MISSED_BEATS` times in a row. ``sessions``: rank -> its ``RankSession``.
+        Called once a tick (at most a beat interval apart)."""
         if timeout_s <= 0:
             return None
         needed: Dict[str, list] = {}
@@ -145,11 +179,14 @@ class HostLiveness:
         for host, ranks in sorted(needed.items()):
             beat = self.hosts.get(host)
             since = beat.last_seen if beat is not None else self.welcomed_at
-            if since is None or now - since <= timeout_s:
+            if since is None:
                 continue
             silent_s = now - since
-            agent = (f"its ringmaster host agent (pid {beat.agent_pid}) sent no heartbeat for {silent_s:.0f} s"
-                     if beat is not None else
+            missed = self._count_missed(host, silent_s, now)
+            if silent_s <= timeout_s or missed < MISSED_BEATS:
+                continue
+            agent = (f"its ringmaster host agent (pid {beat.agent_pid}) sent no heartbeat for {silent_s:.0f} s "
+                     f"({missed} beats seen missing in a row)" if beat is not None else
                      f"its ringmaster host agent was never heard from, {silent_s:.0f} s after every rank registered")
             listed = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in sorted(ranks))
             return Verdict(pb.RANK_FAILED,
@@ -159,4 +196,5 @@ class HostLiveness:
         return None
 
 
-__all__ = ["BEAT_INTERVAL_S", "HostBeat", "HostLiveness", "METADATA_KEY", "STACKS_KEY", "format_beat", "parse_beat"]
+__all__ = ["BEAT_INTERVAL_S", "HostBeat", "HostLiveness", "METADATA_KEY", "MISSED_BEATS", "STACKS_KEY", "format_beat",
+           "parse_beat"]

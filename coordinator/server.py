@@ -314,6 +314,7 @@ class Coordinator:
             return
         self._unregistered.discard(session)
         session.rank, session.hostname, session.pid = register.rank, register.hostname, register.pid
+        session.start_time, session.stack_dump_handler = register.start_time, register.stack_dump_handler
         self._sessions[register.rank] = session
         log.info("%s registered (%d/%d)", session.describe(), len(self._sessions), self.size)
         if len(self._sessions) == self.size:

@@ -35,6 +35,10 @@ class RankSession:
         self.rank: Optional[int] = None
         self.hostname = "?"
         self.pid = 0
+        #: when the rank's process started, as it reported it (0: unknown; common/proc.py)
+        self.start_time = 0
+        #: whether SIGUSR1 prints the rank's stacks (False: its program owns the signal)
+        self.stack_dump_handler = False
         self.said_goodbye = False
         self.closing = False  # refused: nothing more it sends is read
         self.gone = False     # its stream has ended (or the job was aborted)

@@ -45,8 +45,14 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return f"[{', '.join(runs)}] ({len(ranks)} ranks)"
 
 
+#: The straggler report's probes (``worker/frontend/lateness_probes.py``): a late rank's probe
+#: stalls beside the collective it is late for, which the warning names instead.
+PROBE_PREFIX = "ringmaster.lateness."
+
+
 def warning_lines(stalls: Sequence[Stall], host_of: Callable[[int], str]) -> List[str]:
     """The warning lines for the stalls found by one check (without the ``stall:`` logger prefix)."""
+    stalls = [stall for stall in stalls if not stall.name.startswith(PROBE_PREFIX)] or stalls
     buckets: Dict[Tuple, List[Stall]] = {}
     for stall in stalls:
         key = (stall.kind, stall.process_set_id, tuple(stall.missing_ranks), tuple(stall.waiting_ranks))

@@ -12,7 +12,8 @@ of each job when a rank stands out (:data:`STANDOUT_SHARE` of the last places ov
 :data:`MIN_COLLECTIVES` collectives, late by :data:`MIN_MEAN_LATENESS_S` on average), and
 every ``RINGMASTER_STRAGGLER_REPORT_MIN`` minutes (``ringrun --straggler-report N``) in any
 case. Collectives that the response cache or a gradient plan runs without the coordinator
-are not seen here.
+are seen through the lateness probes their ranks declare (``worker/frontend/lateness_probes.py``:
+a barrier per plan step and per few cached collectives, timed here like any request).
 """
 
 from __future__ import annotations

@@ -46,14 +46,18 @@ def test_a_dying_rank_ends_the_job_within_30s(death, launcher):
 
 @pytest.mark.timeout(90)
 def test_a_stall_warning_names_the_missing_rank():
+    """...and never sends SIGUSR1 to a late rank whose program owns it (a SLURM preemption handler)."""
     result, _ = run_timed(2, """
-        import time, torch, ringmaster as rm
+        import signal, time, torch, ringmaster as rm
+        if int(__import__("os").environ.get("OMPI_COMM_WORLD_RANK", "0")) == 1:
+            signal.signal(signal.SIGUSR1, lambda *_: print("PREEMPTED", flush=True))
         rm.init()
         if rm.rank() == 1:
             time.sleep(4)
         print("RESULT", rm.allreduce(torch.ones(2), name="late.tensor", op=rm.Sum).tolist(), flush=True)
     """, env={"RINGMASTER_STALL_WARNING_S": "1"}, timeout=80)
     assert result.returncode == 0, result.output
+    assert "PREEMPTED" not in result.output, "the coordinator sent SIGUSR1 to a rank whose program owns it"
     assert "stall: tensor 'late.tensor'" in result.output
     assert "ranks [1]" in result.output and "have not submitted it" in result.output
     assert result.lines_starting("RESULT") == ["[2.0, 2.0]", "[2.0, 2.0]"]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ringmaster.coordinator.host_liveness import HostLiveness, format_beat, parse_beat
+from ringmaster.coordinator.host_liveness import MISSED_BEATS, HostLiveness, format_beat, parse_beat
 from ringmaster.coordinator.sessions import RankSession
 from ringmaster.coordinator.stragglers import StragglerTally
 from ringmaster.launch.abort_watch import AbortWatch
@@ -39,10 +39,14 @@ def test_a_silent_or_never_heard_host_is_named_and_the_coordinators_own_host_nev
     hosts.beat("garbage with: too many words here")  # ignored, counted
     assert hosts.malformed == 1
     hosts.welcomed_at = clock.now
-    clock.now += 5
-    assert hosts.check(8.0, sessions, clock.now, own_host="a") is None
+    for _ in range(5):  # the coordinator looks once a tick (a second)
+        clock.now += 1
+        assert hosts.check(8.0, sessions, clock.now, own_host="a") is None
     assert hosts.state_of("b", 20, within_s=3.0) is None  # a beat 5 s old is stale
-    clock.now += 4  # host c's agent was never heard, 9 s after every rank registered
+    for _ in range(3):
+        clock.now += 1
+        assert hosts.check(8.0, sessions, clock.now, own_host="a") is None
+    clock.now += 1  # host c's agent was never heard, 9 s after every rank registered
     verdict = hosts.check(8.0, sessions, clock.now, own_host="a")
     assert verdict.failed_host == "b" and verdict.failed_rank == 1 and verdict.host_unreachable
     assert "host b is unreachable: its ringmaster host agent (pid 7) sent no heartbeat for 9 s" in verdict.reason
@@ -51,6 +55,32 @@ def test_a_silent_or_never_heard_host_is_named_and_the_coordinators_own_host_nev
     assert verdict.failed_host == "c" and "was never heard from" in verdict.reason
     assert hosts.check(0, sessions, clock.now, own_host="a") is None  # 0: off
     assert hosts.state_of("b", 20, within_s=3.0) == "R" and hosts.state_of("b", 99, within_s=3.0) == "gone"
+
+
+def test_one_late_look_is_not_evidence_several_missed_beats_and_the_timeout_are():
+    """A coordinator starved of the CPU wakes to find an agent's last beat 20 s old: one gap
+    seen, not several. It declares the host only after MISSED_BEATS looks a beat apart that
+    find no beat; a beat in between starts the count again."""
+    clock = Clock()
+    hosts = HostLiveness(clock)
+    sessions = {0: session(0, "a", 10), 1: session(1, "b", 20)}
+    hosts.beat(format_beat("b", 7, {1: (20, "S")}))
+    clock.now += 20
+    assert hosts.check(8.0, sessions, clock.now, own_host="a") is None  # one look: one missed beat
+    clock.now += 0.2
+    assert hosts.check(8.0, sessions, clock.now, own_host="a") is None  # a look within the interval counts none
+    assert hosts.missed["b"][0] == 1
+    clock.now += 1
+    assert hosts.check(8.0, sessions, clock.now, own_host="a") is None
+    hosts.beat(format_beat("b", 7, {1: (20, "S")}))  # it was alive: the count starts again
+    assert "b" not in hosts.missed and hosts.longest_gap_s == pytest.approx(21.2)
+    for second in range(1, 9):
+        clock.now += 1
+        assert hosts.check(8.0, sessions, clock.now, own_host="a") is None, second  # within the timeout
+    clock.now += 1
+    verdict = hosts.check(8.0, sessions, clock.now, own_host="a")
+    assert verdict.failed_host == "b" and "beats seen missing in a row" in verdict.reason
+    assert MISSED_BEATS >= 3
 
 
 def test_stacks_are_asked_for_once_through_the_next_beat():

@@ -67,6 +67,11 @@ def test_two_ranks_fit_like_one_process_on_the_double_batch_and_resume_at_one_ra
     assert values(train, "GATHER") == {r: "(2, 1) [1.0, 2.0]" for r in (0, 1)}, output
     assert values(train, "BROADCAST") == {r: "{'from': 1}" for r in (0, 1)}, output
     assert values(train, "REDUCE") == {r: "1.5 3.0 2.0 False True" for r in (0, 1)}, output
+    # lr_find then fit equals a fresh fit: teardown removed lr_find's optimizer's hooks (none left
+    # after the fit's teardown either).
+    tuned = values(train, "LR_FIND_DIFF")
+    assert sorted(tuned) == [0, 1] and all(float(v.split()[0]) < 1e-6 and v.split()[1] == "0"
+                                           for v in tuned.values()), output
     # Then rank 1 raised at its third step: the job ended (no hang) with its error, naming rank 1.
     assert train.returncode != 0, output
     assert f"[1]: RuntimeError: {FAIL_MESSAGE}" in train.stdout + train.stderr, output

@@ -3,8 +3,9 @@
 ``train DIR`` (2 ranks under ringrun): ``fit`` 2 epochs with ``strategy="ringmaster"`` (batch
 BATCH per rank), a checkpoint per epoch through ModelCheckpoint, a validation metric
 logged with ``sync_dist=True`` whose value differs per rank; the same fit again with half the
-batch and ``accumulate_grad_batches=2``; ``trainer.test``; the strategy's collectives; then a second
-``fit`` in which rank 1 raises at its third step, which ends the job.
+batch and ``accumulate_grad_batches=2``; ``trainer.test``; the strategy's collectives;
+``lr_find`` then ``fit`` against a fresh ``fit``; then a ``fit`` in which rank 1 raises at its
+third step, which ends the job.
 
 ``resume DIR`` (1 rank under ringrun): the reference, plain Lightning (its default strategy) on one
 process with the 2 × BATCH batch from the same initial weights, 3 epochs. Lightning shuffles a
@@ -144,6 +145,18 @@ def train(folder: pathlib.Path):
     print(f"REDUCE {rank} {strategy.reduce(one).item()} {strategy.reduce(one, reduce_op='sum').item()} "
           f"{strategy.reduce(one, reduce_op=ReduceOp.MAX).item()} {strategy.reduce_boolean_decision(rank == 0)} "
           f"{strategy.reduce_boolean_decision(rank == 0, all=False)}", flush=True)
+    # lr_find, then fit with the same Trainer and module: equal to a fresh fit, and no hook left
+    # by lr_find's optimizer on the parameters (each has its fit's DistributedOptimizer's one only).
+    from lightning.pytorch.tuner import Tuner
+
+    fresh = Regression()
+    trainer(strategy="ringmaster", max_epochs=1).fit(fresh, loader(data(0), BATCH))
+    tuned = Regression()
+    tuning = trainer(strategy="ringmaster", max_epochs=1)
+    Tuner(tuning).lr_find(tuned, train_dataloaders=loader(data(0), BATCH), num_training=4, update_attr=False)
+    tuning.fit(tuned, loader(data(0), BATCH))
+    hooks = max(len(p._post_accumulate_grad_hooks or {}) for p in tuned.parameters())
+    print(f"LR_FIND_DIFF {rank} {max_difference(tuned.state_dict(), fresh.state_dict())!r} {hooks}", flush=True)
     failing = trainer(strategy="ringmaster", max_epochs=1)
     failing.fit(Regression(fail_rank=1), loader(data(0), BATCH))
     print(f"NOT REACHED {rank}", flush=True)

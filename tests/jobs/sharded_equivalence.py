@@ -110,8 +110,17 @@ if "equal" in SECTIONS:
         TALLY.report(f"layout: a shard boundary inside a tensor np={SIZE}", int(split_all) > 0)
         TALLY.report(f"layout: ranks with an empty shard np={SIZE}", any(0 in b.rows for b in layout),
                      str([b.rows for b in layout]))
-        TALLY.report(f"state sharded {name}", opt.shard_state_bytes() < sum(
-            p.numel() * 4 for p in Net().parameters()) * (2 if name != "sgd-momentum" else 1))
+        # 1/N of the per-element state: the ranks' shares add up to the whole, and each holds
+        # at most its rows of every bucket (a bucket splits as evenly as reducescatter does).
+        per_element = 2 if name != "sgd-momentum" else 1
+        elements = sum(p.numel() for p in Net().parameters())
+        mine = sum(value.numel() for state in opt.optim.state.values() for value in state.values()
+                   if isinstance(value, torch.Tensor) and value.dim() > 0)
+        total = int(rm.allreduce(torch.tensor([mine]), op=rm.Sum, name=f"state.{name}"))
+        bound = per_element * (elements / SIZE + len(layout))
+        TALLY.report(f"state sharded 1/N {name}", total == per_element * elements and mine <= bound
+                     and opt.shard_state_bytes() >= 4 * mine,
+                     f"this rank {mine} of {total} values (whole: {per_element * elements}, bound {bound:.1f})")
     print(f"CASES equal {TALLY.cases - before}", flush=True)
 
 if "options" in SECTIONS:

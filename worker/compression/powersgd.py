@@ -116,6 +116,23 @@ class PowerSGDCompressor:
         return (f"Compression.powersgd(rank={self.rank}, start_iter={self.start_iter}, "
                 f"min_compression_rate={self.min_compression_rate:g})")
 
+    def state_dict(self, rank: int) -> dict:
+        """What a checkpoint needs to resume exactly: the step count, the ``Q`` of every matrix and
+        the random state (equal on every rank), and this rank's error feedback, under ``rank``."""
+        return {"iteration": self.iteration, "qs": {n: q.clone() for n, q in self.qs.items()},
+                "generator": self._generator.get_state(),
+                "errors": {rank: {n: e.clone() for n, e in self.errors.items()}}}
+
+    def load_state_dict(self, state: dict, rank: int) -> None:
+        """Take :meth:`state_dict`'s state; the error feedback saved for ``rank`` if there is one
+        (a checkpoint of another rank's state leaves this rank's own errors as they are)."""
+        self.iteration = int(state["iteration"])
+        self.qs = {n: q.clone() for n, q in state["qs"].items()}
+        self._generator.set_state(state["generator"])
+        errors = state["errors"].get(rank)
+        if errors is not None:
+            self.errors = {n: e.clone() for n, e in errors.items()}
+
     def _rank_of(self, matrix: torch.Tensor) -> int:
         return min(self.rank, *matrix.shape)
 

@@ -63,6 +63,12 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
                 p.copy_(start.add_(self._compression.decompress(combined, context).to(start.dtype)))
         return loss
 
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's: the group's parameters' changes are combined from the next ``step()`` on.
+        Every rank adds the same groups in the same order."""
+        super(self._ringmaster_base, self).add_param_group(param_group)
+        self._requires_update.extend(p for p in self.param_groups[-1]["params"] if p.requires_grad and not is_local(p))
+
     def synchronize(self) -> None:
         """Nothing to do: with Adasum the parameters' changes are combined inside ``step()``
         (Horovod's Adasum optimizer does the same)."""

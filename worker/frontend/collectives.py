@@ -23,6 +23,7 @@ import torch
 
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.worker.compression.compressors import Compression
+from ringmaster.worker.frontend import lateness_probes
 from ringmaster.worker.runtime import timeline
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.errors import UnsupportedOpError
@@ -206,6 +207,8 @@ def submit_allreduce(tensors: Sequence[torch.Tensor], *, what: str, single: bool
         entries[0].cache_key = (pb.ALLREDUCE, base, source.is_cuda, source.dtype, source.shape, op, prescale_factor,
                                 postscale_factor, wire_format if source.dtype.is_floating_point else "")
     _submit_or_release(state, handle, entries, requests, flush)
+    if entries[0].cache_key is not None and state.cache is not None:
+        lateness_probes.PROBES.cached(base)  # the straggler report of cached collectives
     return handle.id
 
 
@@ -528,6 +531,8 @@ def synchronize(handle: int):
     finally:
         state.handles.release(handle)
 
+
+lateness_probes.PROBES.bind(submit_barrier, poll, synchronize)
 
 #: The public API's names from here: ``ringmaster.worker`` re-exports them all, so a new collective
 #: is public once it is listed here and in ``ringmaster/__init__.py``'s ``__all__``.

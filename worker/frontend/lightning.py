@@ -25,6 +25,9 @@ What each of Lightning's calls becomes:
   the default), ``Sum``, ``Max`` or ``Min``; ``all_gather``: ``rm.allgather`` stacked to
   ``(size, *shape)``; ``broadcast``: ``rm.broadcast_object``; ``barrier``: ``rm.barrier``.
   Every rank makes these calls in the same order, as Lightning's loops do.
+* ``teardown``: the gradient hooks of the optimizers ``setup`` wrapped are removed, so a second
+  fit of the same module (``lr_find``, then ``fit``) reduces each gradient once, with the new
+  optimizer's hooks only: it equals a fresh fit.
 * checkpoints: written by rank 0 only (Lightning's ``is_global_zero``); on resume every rank
   reads the same file, so model and optimizer state agree without a broadcast.
 
@@ -139,6 +142,7 @@ class RingmasterStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         self._optimizer_options = optimizer_options
         self._skipping = contextlib.ExitStack()
+        self._made = []  # the DistributedOptimizers setup() made: their hooks go at teardown()
         self._trainer = None
         rank_zero_only.rank = rank()
 
@@ -188,6 +192,7 @@ class RingmasterStrategy(ParallelStrategy):
                     optimizer = DistributedOptimizer(original, named_parameters=self._named_parameters(original),
                                                      backward_passes_per_step=accumulate, **self._optimizer_options)
                 self._move_schedulers(original, optimizer)
+                self._made.append(optimizer)
             wrapped.append(optimizer)
             # The wait happens in post_backward, before clipping; the step must not wait again.
             self._skipping.enter_context(optimizer.skip_synchronize())
@@ -271,10 +276,15 @@ class RingmasterStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ the end
     def teardown(self) -> None:
-        """Leave ``skip_synchronize``, then Lightning's teardown. ringmaster stays initialized
-        (a later ``trainer.test`` uses it); ``rm.shutdown()`` runs at exit."""
+        """Leave ``skip_synchronize``, remove the gradient hooks of the optimizers ``setup`` wrapped
+        (a later fit of the same module, after ``lr_find``, wraps new ones), then Lightning's
+        teardown. ringmaster stays initialized (a later ``trainer.test`` uses it); ``rm.shutdown()``
+        runs at exit."""
         self._skipping.close()
         self._skipping = contextlib.ExitStack()
+        for optimizer in self._made:
+            optimizer.remove_hooks()
+        self._made = []
         super().teardown()
 
     @classmethod

@@ -16,18 +16,19 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ringmaster.worker.compression.compressors import Compression, wire_format
 from ringmaster.worker.frontend.gradient_hooks import remove_hooks, weak_gradient_hook
-from ringmaster.worker.frontend import collectives, low_rank
+from ringmaster.worker.frontend import collectives, gradient_reads, low_rank
 from ringmaster.worker.frontend.bucket_updates import can_update_per_bucket, step_hooks
 from ringmaster.worker.frontend.adasum_optimizer import _DistributedAdasumOptimizer
 from ringmaster.worker.frontend.calibration import calibrated
 from ringmaster.worker.frontend.local_parameters import is_local
+from ringmaster.worker.frontend.optimizer_options import (check_adasum_use, check_sparsifier_use, is_sparsifier,
+                                                         make_groups, parameter_names)
 from ringmaster.worker.frontend.plan_driver import PlanDriver, second_pass_error
 from ringmaster.worker.frontend.sparse import sparse_allreduce_async
 from ringmaster.worker.runtime.current import runtime
@@ -35,19 +36,17 @@ from ringmaster.worker.runtime.gradient_plan import GradientPlan
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set
 
 _NAME_PREFIX = "DistributedOptimizer."
+_POWERSGD_KEY = "ringmaster.powersgd"  # the compressor's state in the optimizer's state dict
 
 # What a sparsifier's collective was: its result is combined, or used as it is.
 _SPARSE = "sparse allgather"
 _DENSE = "dense allreduce"
 
 
-def _is_sparsifier(compression) -> bool:
-    """rgc/topk: compressors with per-tensor state that choose their own collective."""
-    return callable(getattr(compression, "prepare", None)) and callable(getattr(compression, "combine", None))
-
-
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (see DistributedOptimizer)."""
+
+    param_groups = gradient_reads.param_groups  # read after backward: the reduced gradients
 
     def _setup(self, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, update_per_bucket) -> None:
@@ -55,7 +54,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._update_per_bucket = update_per_bucket
         self._compression = compression
         # rgc/topk: per-tensor state, dense allreduce or sparse allgather decided per tensor.
-        self._sparsifier = compression if _is_sparsifier(compression) else None
+        self._sparsifier = compression if is_sparsifier(compression) else None
         # powersgd: every gradient of the step at once, in synchronize() (low_rank.py).
         self._low_rank = compression if low_rank.is_low_rank(compression) else None
         self._op = op
@@ -63,7 +62,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = sparse_as_dense
         self._sparse_dims: Dict[torch.Tensor, int] = {}  # parameters seen with a sparse gradient: its sparse_dim()
         self.backward_passes_per_step = backward_passes_per_step
-        self._parameter_names = _parameter_names(self.param_groups, named_parameters)
+        self._parameter_names = parameter_names(self.param_groups, named_parameters)
         ordered = [p for group in self.param_groups for p in group["params"]]
         # A model-parallel shard (rm.parallel.HybridParallel) is this rank's alone: its gradient
         # is reduced by nobody, and step() applies it as it is.
@@ -71,10 +70,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._requires_update}
         # Parameter -> (handle, compression context, tensor sent); handle None: not started.
         self._handles: Dict[torch.Tensor, Tuple[Optional[int], object, Optional[torch.Tensor]]] = {}
-        self._group_of, self._groups = _make_groups(groups, self._requires_update)
+        self._group_of, self._groups = make_groups(groups, self._requires_update)
         self._group_ready: Dict[int, List[torch.Tensor]] = {}
         self._hooks = []
         self._synchronized = False
+        self._synchronized_by_read = False  # a read of param_groups finished the reductions
         self._should_synchronize = True
         state = runtime()  # must be initialized
         # The fixed gradient plan: none until the first step shows it fits (on every rank).
@@ -93,14 +93,64 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     setup(sizes, process_set, calibrated)
         # Outside its process set a rank trains alone: nothing to reduce, as with one rank.
         if process_set.included() and process_set.size() > 1:
-            hook = weak_gradient_hook(self)
-            self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._requires_update]
-            # A discarded optimizer must not keep reducing its parameters' gradients.
-            weakref.finalize(self, remove_hooks, list(self._hooks))
+            self._hook(self._requires_update)
+        self._reads_wait = True
+
+    def _hook(self, parameters: List[torch.Tensor]) -> None:
+        hook = weak_gradient_hook(self)
+        hooks = [p.register_post_accumulate_grad_hook(hook) for p in parameters]
+        self._hooks.extend(hooks)
+        # A discarded optimizer must not keep reducing its parameters' gradients.
+        weakref.finalize(self, remove_hooks, hooks)
+
+    def remove_hooks(self) -> None:
+        """Stop reducing gradients: remove the gradient hooks (a framework's teardown calls it)."""
+        remove_hooks(self._hooks)
+        self._hooks = []
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's: the group's parameters train from the next backward pass on, their
+        gradients averaged like the others'. Every rank adds the same groups in the same order;
+        not between a backward pass and its ``step()``."""
+        if self._handles or self._plans.step_open or any(
+                self._delay[p] != self.backward_passes_per_step for p in self._requires_update):
+            raise RuntimeError(f"DistributedOptimizer.add_param_group (rank {runtime().rank}): gradients of this "
+                               f"step are being reduced; add the group before backward() or after step()")
+        if self._sparsifier is not None:
+            raise ValueError(f"DistributedOptimizer.add_param_group: {type(self._sparsifier).__name__} calibrated "
+                             f"its per-tensor state for the parameters it was built with; build a new "
+                             f"DistributedOptimizer over every group instead")
+        super(self._ringmaster_base, self).add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        group = self.param_groups[index]
+        for i, p in enumerate(group["params"]):
+            given = group.get("param_names")
+            self._parameter_names.setdefault(p, given[i] if given else f"noname.{index}.{i}")
+        added = [p for p in group["params"] if p.requires_grad and not is_local(p)]
+        self._requires_update.extend(added)
+        for p in added:
+            self._delay[p] = self.backward_passes_per_step
+        # The plan covered the old parameters: the next step is negotiated and decides anew.
+        self._plans = PlanDriver(self._plans.possible, self._requires_update,
+                                 {p: _NAME_PREFIX + name for p, name in self._parameter_names.items()},
+                                 self._delay, self._process_set)
+        if self._hooks:
+            self._hook(added)
+
+    def _reductions_pending(self) -> bool:
+        """Gradients of this step are being reduced (gradient_reads.py)."""
+        return bool(self._handles) or self._plans.step_in_flight()
+
+    def _finish_for_reader(self) -> None:
+        """A read of ``param_groups`` after backward: reduce now; ``step()`` does not again."""
+        self.synchronize()
+        self._synchronized_by_read = True
 
     # ------------------------------------------------------------------ hooks
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """Called by autograd once ``p.grad`` holds this backward pass's gradient."""
+        if self._synchronized_by_read:  # a new pass after a step that was skipped (GradScaler's inf)
+            self._synchronized = self._synchronized_by_read = False
         if self._delay[p] <= 0:
             if self._plans.filled_in(p):
                 raise second_pass_error(self._parameter_names[p])
@@ -209,6 +259,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Gradients not produced on this rank in this step are reduced as zeros, so that
         every rank runs the same allreduces.
         """
+        if self._synchronized_by_read:  # param_groups was read after backward: reduced already
+            return
         if not self._hooks:
             self._synchronized = True
             return
@@ -303,6 +355,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    def state_dict(self):
+        """torch's state dict; with ``Compression.powersgd`` also the compressor's state under
+        ``"ringmaster.powersgd"`` (its ``Q``, step count and this rank's error feedback): save each
+        rank's to resume exactly as if training had not stopped."""
+        state = super(self._ringmaster_base, self).state_dict()
+        if self._low_rank is not None:
+            state[_POWERSGD_KEY] = self._low_rank.state_dict(self._process_set.rank())
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's ``load_state_dict``; a saved PowerSGD state goes back into the compressor."""
+        low_rank_state = state_dict.get(_POWERSGD_KEY)
+        if low_rank_state is not None and self._low_rank is not None:
+            self._low_rank.load_state_dict(low_rank_state, self._process_set.rank())
+        super(self._ringmaster_base, self).load_state_dict(
+            {key: value for key, value in state_dict.items() if key != _POWERSGD_KEY})
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         """As Horovod's: accumulate ``passes`` backward passes locally before each allreduce,
         from the next ``synchronize()`` on."""
@@ -324,6 +393,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         optimizers that decide that from the loss (LBFGS's line search), return a loss
         averaged over ranks (``rm.allreduce``) from the closure.
         """
+        self._busy = True  # its own reads of param_groups do not synchronize (gradient_reads.py)
+        try:
+            return self._step(closure)
+        finally:
+            self._busy = False
+
+    def _step(self, closure):
+        if self._synchronized_by_read:  # GradScaler (or another reader) made it synchronize already
+            self._synchronized = self._synchronized_by_read = False
+            return super(self._ringmaster_base, self).step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 # Horovod's text first: scripts and tests match it.
@@ -433,15 +512,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     if op not in (collectives.Average, collectives.Sum, collectives.Adasum):
         raise ValueError(f"DistributedOptimizer: op must be ringmaster.Average, Sum or Adasum, got {op!r}")
     if op == collectives.Adasum:
-        _check_adasum_use(compression, groups, sparse_as_dense)
+        check_adasum_use(compression, groups, sparse_as_dense)
     if op != collectives.Average and gradient_predivide_factor != 1.0:
         raise ValueError("gradient_predivide_factor applies to op=Average only")
     if not gradient_predivide_factor > 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
     if low_rank.is_low_rank(compression):
         low_rank.check_use(compression, op, gradient_predivide_factor, groups)
-    elif _is_sparsifier(compression):
-        _check_sparsifier_use(compression, optimizer, op, gradient_predivide_factor, groups)
+    elif is_sparsifier(compression):
+        check_sparsifier_use(compression, optimizer, op, gradient_predivide_factor, groups)
     else:
         for method in ("compress", "decompress"):
             if not callable(getattr(compression, method, None)):
@@ -472,7 +551,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError(f"{process_set!r} is not registered; pass it to ringmaster.add_process_set() first")
     if op == collectives.Adasum:
         runtime()  # must be initialized
-        wrapped._setup_adasum(_parameter_names(wrapped.param_groups, named_parameters), compression,
+        wrapped._setup_adasum(parameter_names(wrapped.param_groups, named_parameters), compression,
                               backward_passes_per_step, process_set)
         return wrapped
     why_not = can_update_per_bucket(optimizer, base)
@@ -484,83 +563,3 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                    gradient_predivide_factor, groups, sparse_as_dense, process_set,
                    update_per_bucket is not False and why_not is None)
     return wrapped
-
-
-def _check_adasum_use(compression, groups, sparse_as_dense) -> None:
-    """What op=Adasum cannot be combined with, refused before anything starts."""
-    if _is_sparsifier(compression):
-        raise ValueError(f"DistributedOptimizer: {type(compression).__name__} sparsifies gradients and averages "
-                         f"them; op=Adasum combines whole parameter updates: use one or the other")
-    if wire_format(compression, torch.zeros(1)):
-        raise ValueError("DistributedOptimizer: 8-bit compression reduces with op=Average or op=Sum; with "
-                         "op=Adasum use Compression.none or Compression.fp16")
-    if groups is not None:
-        raise ValueError("DistributedOptimizer: groups= fuses gradient allreduces; with op=Adasum the parameters' "
-                         "changes are combined in step(), fused by the coordinator: leave groups=None")
-    if sparse_as_dense:
-        raise ValueError("DistributedOptimizer: sparse_as_dense concerns gradient allreduces; with op=Adasum "
-                         "the parameters' (dense) changes are combined: leave it False")
-
-
-def _check_sparsifier_use(compression, optimizer, op, gradient_predivide_factor, groups) -> None:
-    """rgc/topk average each gradient on their own: refuse options that would change that."""
-    kind = type(compression).__name__
-    if op != collectives.Average or gradient_predivide_factor != 1.0:
-        raise ValueError(f"{kind} averages gradients over ranks: use op=Average and "
-                         f"gradient_predivide_factor=1.0 with it")
-    if groups is not None:
-        raise ValueError(f"{kind} selects entries per tensor and cannot fuse groups; leave groups=None")
-    check = getattr(compression, "check_optimizer", None)
-    if callable(check):
-        check(optimizer)
-
-
-def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
-    all_params = [p for group in param_groups for p in group["params"]]
-    if named_parameters is None:
-        return {p: f"noname.{g}.{i}" for g, group in enumerate(param_groups)
-                for i, p in enumerate(group["params"])}
-    named = list(named_parameters)
-    if any(not (isinstance(item, tuple) and len(item) == 2) for item in named):
-        raise ValueError("named_parameters must be (name, parameter) pairs, as model.named_parameters() gives")
-    duplicates = sorted(name for name, count in Counter(name for name, _ in named).items() if count > 1)
-    if duplicates:
-        raise ValueError(f"named_parameters has duplicate names: {', '.join(duplicates)}; each name must "
-                         f"appear once")
-    names = {}
-    for name, p in named:
-        names.setdefault(p, name)
-    missing = [p for p in all_params if p not in names]
-    if missing:
-        shapes = ", ".join(str(tuple(p.shape)) for p in missing[:5])
-        raise ValueError(f"named_parameters was given but misses {len(missing)} of the optimizer's parameters "
-                         f"(shapes {shapes}); pass model.named_parameters() of the model the optimizer trains")
-    return names
-
-
-def _make_groups(groups, params: List[torch.Tensor]):
-    """(parameter -> group index, group index -> its parameters) for ``groups=``."""
-    if groups is None:
-        return {}, {}
-    if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
-        raise ValueError(f"groups must be a positive integer or a list of lists of parameters, got {groups!r}")
-    if isinstance(groups, int):
-        if groups < 1:
-            raise ValueError(f"groups must be a positive integer, got {groups}")
-        count = min(groups, len(params))
-        lists = [params[i * len(params) // count:(i + 1) * len(params) // count] for i in range(count)]
-    else:
-        lists = [list(group) for group in groups]
-    group_of: Dict[torch.Tensor, int] = {}
-    members: Dict[int, List[torch.Tensor]] = {}
-    wanted = set(params)
-    for index, group in enumerate(lists):
-        for p in group:
-            if not isinstance(p, torch.Tensor):
-                raise ValueError(f"groups[{index}] holds a {type(p).__name__}; groups are lists of parameters")
-            if p in group_of:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} appears in more than one group")
-            if p in wanted:
-                group_of[p] = index
-                members.setdefault(index, []).append(p)
-    return group_of, members

@@ -20,6 +20,8 @@ import torch
 from ringmaster.worker.frontend import collectives
 from ringmaster.worker.frontend.bucket_updates import step_parameters
 from ringmaster.worker.frontend.differentiable import allreduce
+from ringmaster.worker.frontend.lateness_probes import PROBES
+from ringmaster.worker.runtime import current
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.errors import RingmasterError
 from ringmaster.worker.runtime.gradient_plan import GradientPlan
@@ -70,6 +72,17 @@ class PlanDriver:
     def filled_in(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient was reduced as zeros this step (backward had ended without it)."""
         return p in self._filled
+
+    def step_in_flight(self) -> bool:
+        """A step of the plan has started and not finished. One begun in a runtime that has
+        ended since (an elastic shrink, ``shutdown()``) is dropped, not waited for: its
+        communicator is gone, and what restores the state (``load_state_dict``) reads
+        ``param_groups`` (gradient_reads.py)."""
+        if self.step_open and self._runtime is not None and self._runtime is not current.peek():
+            self.step_open = False
+            self._filled.clear()
+            self.plan, self._runtime, self._decided = None, None, False
+        return self.step_open
 
     def _forget_plan_of_an_ended_runtime(self) -> None:
         """After ``shutdown()`` and a new ``init()``, negotiate a step again and decide the plan anew.
@@ -133,6 +146,7 @@ class PlanDriver:
     def synchronize(self, backward_passes_per_step: int,
                     on_reduced: Optional[Callable[[List[int]], None]] = None) -> None:
         """Finish this step of the plan: every gradient reduced and written into ``p.grad``."""
+        PROBES.plan_step(self.plan.request_name, self._process_set.process_set_id)  # the straggler report
         if not self.step_open:  # no gradient this step: every rank still runs the plan
             self._start_step()
         self._fill_missing()

@@ -7,8 +7,8 @@ data parallelism. Here each rank keeps the state of its own shard only
 1. **backward**: a hook on each parameter counts its gradient in; once every gradient of a
    bucket is in, the bucket is packed into one flat vector and its ``reducescatter`` starts
    at once, while backward still runs (op ``Average`` or ``Sum``, ``compression`` on the
-   wire: ``Compression.fp16``/``bf16`` halve it). Each rank receives the reduced gradient of
-   its own block only.
+   wire: ``Compression.fp16``/``bf16`` halve it on the CPU; bf16 on CUDA keeps 4 bytes). Each
+   rank receives the reduced gradient of its own block only.
 2. **step**: the wrapped optimizer steps this rank's shard (views of the parameters, so the
    update lands in the parameters); the other ranks' parts are not touched.
 3. **allgather**: each bucket's updated block is allgathered as soon as it is stepped (the
@@ -35,6 +35,7 @@ views, and its ``state_dict`` is not the wrapped optimizer's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import weakref
@@ -43,12 +44,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ringmaster.worker.compression.compressors import Compression, wire_format
+from ringmaster.worker.compression.compressors import Compression
 from ringmaster.worker.frontend.gradient_hooks import remove_hooks, weak_gradient_hook
-from ringmaster.worker.frontend import collectives
+from ringmaster.worker.frontend import collectives, gradient_reads
 from ringmaster.worker.frontend import sharded_checkpoint
-from ringmaster.worker.frontend.bucket_updates import PER_PARAMETER_OPTIMIZERS, step_hooks, step_parameters
+from ringmaster.worker.frontend.bucket_updates import step_parameters
 from ringmaster.worker.frontend.sharded_layout import BUCKET_BYTES, plan_buckets, shard_views
+from ringmaster.worker.frontend.sharded_options import check_arguments, parameter_names
 from ringmaster.worker.runtime.current import runtime
 from ringmaster.worker.runtime.process_sets import ProcessSet, global_process_set
 
@@ -57,6 +59,15 @@ _INSTANCES = itertools.count()  # names the collectives: every rank builds its o
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """Data-parallel training with the optimizer's state sharded over the ranks (ZeRO stage 1).
+
+    torch's ``Optimizer`` methods work as on the wrapped optimizer: ``add_param_group``
+    (sharded like the rest), step and state-dict hooks (shared with the wrapped optimizer,
+    run once around ``step()``/``state_dict()``/``load_state_dict()``), ``zero_grad``, LR
+    schedulers and ``torch.optim.swa_utils.SWALR``. ``torch.amp.GradScaler`` works in its plain
+    recipe: a read of ``param_groups`` after backward (``scaler.step``, ``scaler.unscale_``)
+    finishes the reduce-scatters and exposes each rank's reduced shard in ``p.grad`` (zeros
+    elsewhere; ``clip_grad_norm_`` of this class gives the global norm), non-finite on every
+    rank if it is on any (``gradient_reads.py``).
 
     Args:
         optimizer: a torch optimizer over the model's parameters, elementwise (SGD, Adam,
@@ -80,10 +91,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  backward_passes_per_step: int = 1, op=collectives.Average, gradient_predivide_factor: float = 1.0,
                  process_set: ProcessSet = global_process_set, bucket_bytes: int = BUCKET_BYTES,
                  overlap_forward: Optional[torch.nn.Module] = None):
-        _check_arguments(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor,
+        if isinstance(optimizer, ZeroOptimizer):
+            raise ValueError("ZeroOptimizer: this optimizer is already wrapped by ringmaster; wrap the original "
+                             "torch optimizer once")
+        check_arguments(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor,
                          process_set, bucket_bytes)
         state = runtime()  # must be initialized
-        names = _names(optimizer, named_parameters)
+        names = parameter_names(named_parameters)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for p in params:
             if not p.is_contiguous():
@@ -92,12 +106,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  f"contiguous (p.data = p.data.contiguous()) before building the optimizer")
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups   # shared: LR schedulers see the user's groups
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        # Hooks shared with the wrapped optimizer, as its groups are; they run around this
+        # object's step() and state dicts, the inner optimizer's step is called without them.
+        for hooks in _HOOK_DICTS:
+            setattr(self, hooks, getattr(optimizer, hooks))
         self._process_set = process_set
         self._sharded = process_set.included() and process_set.size() > 1
         self._size = process_set.size() if self._sharded else 1
@@ -109,6 +121,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._params = params
         self._names = names
         self._name = f"ZeroOptimizer.{next(_INSTANCES)}"
+        self._bucket_bytes = bucket_bytes
         trained = [i for i, p in enumerate(params) if p.requires_grad][::-1]  # backward: last layers first
         self.buckets = plan_buckets([params[i] for i in trained], trained, self._size, self._rank, bucket_bytes)
         self._bucket_of = {id(params[i]): b for b in self.buckets for i in b.indices}
@@ -122,20 +135,111 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducing: Dict[int, tuple] = {}              # bucket -> (handle, compression context)
         self._gathering: Dict[int, int] = {}              # bucket -> its allgather's handle
         self._synchronized = False
+        self._synchronized_by_read = False  # a read of param_groups finished the reductions
         self._should_synchronize = True
         self._forward_hooks = []
+        self._overlapped = None
         self._hooks = []
-        hook = weak_gradient_hook(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
-        weakref.finalize(self, remove_hooks, self._hooks)
+        self._hook_gradients(params)
         if overlap_forward is not None:
-            self._hook_forward(overlap_forward)
+            if not isinstance(overlap_forward, torch.nn.Module):
+                raise TypeError(f"ZeroOptimizer: overlap_forward takes the model (a torch.nn.Module), got "
+                                f"{type(overlap_forward).__name__}")
+            self._overlapped = weakref.ref(overlap_forward)
+            self._hook_forward(overlap_forward, self.buckets)
         if optimizer.state:  # state built before wrapping: shard it
             self.load_state_dict(optimizer.state_dict())
+        self._reads_wait = True
+
+    param_groups = gradient_reads.param_groups  # read after backward: reduced (gradient_reads.py)
+
+    def _hook_gradients(self, params) -> None:
+        hook = weak_gradient_hook(self)
+        hooks = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        self._hooks.extend(hooks)
+        weakref.finalize(self, remove_hooks, hooks)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's: the group's parameters are sharded in buckets of their own and train from the
+        next backward pass on, as an unsharded optimizer would. Every rank adds the same groups in
+        the same order; not between a backward pass and its ``step()``."""
+        if self._reducing or self._ready or self._synchronized or any(
+                delay != self.backward_passes_per_step for delay in self._delay.values()):
+            raise RuntimeError(f"ZeroOptimizer.add_param_group (rank {runtime().rank}): gradients of this step "
+                               f"are being reduced; add the group before backward() or after step()")
+        self.wait_parameters()
+        self.__dict__["_reads_wait"] = False
+        torch.optim.Optimizer.add_param_group(self, param_group)  # checks and defaults, into the shared groups
+        self._reads_wait = True
+        group = self.param_groups[-1]
+        first = len(self._params)
+        new = list(group["params"])
+        for i, p in enumerate(new):
+            if not p.is_contiguous():
+                raise ValueError(f"ZeroOptimizer.add_param_group: parameter {i} of the group (rank "
+                                 f"{runtime().rank}) is not contiguous; make it contiguous first")
+            if group.get("param_names"):
+                self._names.setdefault(p, group["param_names"][i])
+        self._params.extend(new)
+        trained = [first + i for i, p in enumerate(new) if p.requires_grad][::-1]
+        buckets = plan_buckets([self._params[i] for i in trained], trained, self._size, self._rank,
+                               self._bucket_bytes)
+        for bucket in buckets:
+            bucket.number += len(self.buckets)
+            self._bucket_of.update({id(self._params[i]): bucket for i in bucket.indices})
+            self._own.update(piece.index for piece in bucket.pieces)
+        self.buckets.extend(buckets)
+        shards = shard_views(self._params, buckets)[first:]
+        self._shards.extend(shards)
+        self.optim.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": shards})
+        for p in new:
+            self._delay[id(p)] = self.backward_passes_per_step
+        self._hook_gradients(new)
+        module = self._overlapped() if self._overlapped is not None else None
+        if module is not None:
+            self._hook_forward(module, buckets)
+
+    def remove_hooks(self) -> None:
+        """Stop reducing gradients and waiting in forward: remove every hook (a framework's teardown)."""
+        remove_hooks(self._hooks + self._forward_hooks)
+        self._hooks, self._forward_hooks = [], []
+
+    def _reductions_pending(self) -> bool:
+        """Reduce-scatters of this step are in flight (gradient_reads.py)."""
+        return bool(self._reducing)
+
+    def _finish_for_reader(self) -> None:
+        """A read of ``param_groups`` after backward (GradScaler): finish the reduce-scatters and
+        expose the shard in ``p.grad``, non-finite on every rank if on any, so that every rank
+        decides alike whether the step runs."""
+        self.synchronize()
+        self._synchronized_by_read = True
+        local = torch.zeros(1)
+        with torch.no_grad():
+            for p in self._params:
+                if p.requires_grad:
+                    if p.grad is None or p.grad.is_sparse:
+                        p.grad = torch.zeros_like(p)
+                    else:
+                        p.grad.zero_()
+            for bucket in self.buckets:
+                for piece in bucket.pieces:
+                    shard = self._shards[piece.index]
+                    exposed = piece.param.grad.view(-1)[piece.start:piece.stop]
+                    exposed.copy_(shard.grad)
+                    shard.grad = exposed  # what a reader unscales or clips is what step() applies
+                    if not torch.isfinite(exposed).all():
+                        local.fill_(1.0)
+            anywhere = self._allreduce_scalar(local, collectives.Max, "nonfinite")
+            if float(anywhere) > 0 and float(local) == 0:
+                trained = next(p for p in self._params if p.requires_grad)
+                trained.grad.view(-1)[0] = float("nan")
 
     # ------------------------------------------------------------ gradients
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """Called by autograd once ``p.grad`` holds this backward pass's gradient."""
+        if self._synchronized_by_read:  # a new pass after a step that was skipped (GradScaler's inf)
+            self._synchronized = self._synchronized_by_read = False
         key = id(p)
         if self._delay[key] <= 0:
             raise AssertionError(
@@ -179,6 +283,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Finish every bucket's reduce-scatter (starting those whose gradients did not all come)
         and hand the reduced shard gradients to the wrapped optimizer."""
+        if self._synchronized_by_read:
+            return
         for bucket in self.buckets:
             if bucket.number not in self._reducing:
                 self._reduce_scatter(bucket)
@@ -236,8 +342,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             value, name=f"{self._name}.norm.{what}", op=op, process_set=self._process_set))[0]
 
     # ----------------------------------------------------------------- step
+    @torch.optim.Optimizer.profile_hook_step  # the step hooks, once around the whole step
     def step(self, closure=None):
         """Reduce the gradients (unless already synchronized), step this rank's shard, gather the parameters."""
+        self._busy = True
+        try:
+            return self._step(closure)
+        finally:
+            self._busy = False
+
+    def _step(self, closure):
+        self._synchronized_by_read = False
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -247,19 +362,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         for mine, group in zip(self.optim.param_groups, self.param_groups):  # LR schedules, user changes
             mine.update({key: value for key, value in group.items() if key != "params"})
-        if self._sharded and not step_hooks(self.optim):
+        inner_step = functools.partial(_unhooked(type(self.optim).step), self.optim)
+        if self._sharded:
             # Bucket by bucket, in the order forward needs them (the first layers' bucket first):
             # each bucket's allgather runs while the next bucket is stepped (exact for these
-            # optimizers, bucket_updates.py); step hooks would run once per bucket, so not with them.
+            # optimizers, bucket_updates.py). The step hooks run once, around all of it.
             for bucket in reversed(self.buckets):
                 if bucket.pieces:
-                    step_parameters(self.optim.step, self.optim.param_groups,
+                    step_parameters(inner_step, self.optim.param_groups,
                                     [self._shards[piece.index] for piece in bucket.pieces])
                 self._gather(bucket)
         else:
-            self.optim.step()
-            for bucket in reversed(self.buckets):
-                self._gather(bucket)
+            inner_step()
         for shard in self._shards:
             shard.grad = None
         if not self._forward_hooks:
@@ -290,14 +404,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for p, offset in zip(bucket.params, bucket.offsets):
                     p.view(-1).copy_(flat[offset:offset + p.numel()])
 
-    def _hook_forward(self, module: torch.nn.Module) -> None:
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"ZeroOptimizer: overlap_forward takes the model (a torch.nn.Module), got "
-                            f"{type(module).__name__}")
+    def _hook_forward(self, module: torch.nn.Module, buckets) -> None:
+        """Each submodule of ``module`` with parameters in ``buckets`` waits for those buckets in forward."""
         reference = weakref.ref(self)
+        numbers = {bucket.number for bucket in buckets}
+        hooks = []
         for sub in module.modules():
             mine = {self._bucket_of[id(p)].number: self._bucket_of[id(p)]
-                    for p in sub.parameters(recurse=False) if id(p) in self._bucket_of}
+                    for p in sub.parameters(recurse=False)
+                    if id(p) in self._bucket_of and self._bucket_of[id(p)].number in numbers}
             if not mine:
                 continue
 
@@ -306,8 +421,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if live is not None:
                     live.wait_parameters(buckets)
 
-            self._forward_hooks.append(sub.register_forward_pre_hook(before_forward))
-        weakref.finalize(self, remove_hooks, self._forward_hooks)
+            hooks.append(sub.register_forward_pre_hook(before_forward))
+        self._forward_hooks.extend(hooks)
+        weakref.finalize(self, remove_hooks, hooks)
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the parameters' gradients; refused while their reduce-scatters are in flight."""
@@ -333,18 +449,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return full
 
     def state_dict(self):
-        """The state ``consolidate_state_dict`` gathered on this rank (call that first, on every rank)."""
+        """The state ``consolidate_state_dict`` gathered on this rank (call that first, on every rank);
+        the state-dict hooks run around it as torch's do."""
         full = getattr(self, "_consolidated", None)
         if full is None:
             raise RuntimeError(f"ZeroOptimizer.state_dict() on rank {runtime().rank}: the state is sharded over "
                                f"the ranks; call optimizer.consolidate_state_dict(to=RANK) on every rank first, "
                                f"then state_dict() on rank RANK (or use the value consolidate_state_dict returns)")
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            full = hook(self, full) or full
         return full
 
     def load_state_dict(self, state_dict) -> None:
         """Load a full (unsharded) optimizer state, as ``state_dict()`` or an unsharded optimizer
-        gives it, saved at any number of ranks: each rank keeps its shard of it."""
+        gives it, saved at any number of ranks: each rank keeps its shard of it. Parameter groups
+        of other sizes are refused, as torch refuses them; the load hooks run as torch's do."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
         sharded_checkpoint.load(self, state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def shard_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its shard's)."""
@@ -382,11 +508,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"rank {self._rank} of {self._size})")
 
 
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+               "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+               "_optimizer_load_state_dict_post_hooks")
+
+
+def _unhooked(step):
+    """A torch optimizer class's ``step`` without the wrapper that runs the step hooks."""
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
+
+
 def _over_shards(optimizer: torch.optim.Optimizer, shards: List[torch.Tensor]) -> torch.optim.Optimizer:
     """A copy of ``optimizer`` (its class and hyperparameters) over the shard views, with no state."""
     inner = type(optimizer).__new__(type(optimizer))
     inner.__dict__.update({key: value for key, value in vars(optimizer).items() if key not in ("step", "zero_grad")})
     inner.state = defaultdict(dict)
+    for hooks in _HOOK_DICTS:  # the hooks run around the ZeroOptimizer's methods, not again inside
+        setattr(inner, hooks, {})
     groups = []
     at = 0
     for group in optimizer.param_groups:
@@ -395,63 +533,6 @@ def _over_shards(optimizer: torch.optim.Optimizer, shards: List[torch.Tensor]) -
         at += count
     inner.param_groups = groups
     return inner
-
-
-def _check_arguments(optimizer, compression, backward_passes_per_step, op, predivide, process_set,
-                     bucket_bytes) -> None:
-    """Refuse, with the reason, what sharding cannot do."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"ZeroOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if hasattr(optimizer, "_ringmaster_base") or isinstance(optimizer, ZeroOptimizer):
-        raise ValueError("ZeroOptimizer: this optimizer is already wrapped by ringmaster; wrap the original "
-                         "torch optimizer once")
-    base = type(optimizer)
-    if not issubclass(base, PER_PARAMETER_OPTIMIZERS):
-        names = ", ".join(cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS)
-        raise ValueError(f"ZeroOptimizer: {base.__name__} is not one of torch's elementwise optimizers ({names}); "
-                         f"each rank steps only a range of each parameter, which gives the same result only "
-                         f"when an element's update reads nothing but that element, its gradient and its state. "
-                         f"Use DistributedOptimizer without shard_optimizer_state")
-    if op == collectives.Adasum:
-        raise ValueError("ZeroOptimizer: op=Adasum combines each rank's whole parameter update, computed from "
-                         "its whole optimizer state; sharded state has no whole update to combine. Use "
-                         "op=Average, or Adasum without shard_optimizer_state")
-    if op not in (collectives.Average, collectives.Sum):
-        raise ValueError(f"ZeroOptimizer: op must be ringmaster.Average or Sum, got {op!r}")
-    if callable(getattr(compression, "prepare", None)) and callable(getattr(compression, "combine", None)):
-        raise ValueError(f"ZeroOptimizer: {type(compression).__name__} (rgc/topk) keeps a residual of each whole "
-                         f"gradient and exchanges selected entries by allgather; a reduce-scatter of buckets "
-                         f"has no such form. Use Compression.none, fp16 or bf16")
-    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
-        raise TypeError(f"ZeroOptimizer: compression={compression!r} has no compress()/decompress(); pass "
-                        f"ringmaster.Compression.none, .fp16 or .bf16")
-    if wire_format(compression, torch.zeros(1)):
-        raise ValueError(f"ZeroOptimizer: compression={compression.__name__} encodes 8-bit codes inside the "
-                         f"ring allreduce, which a reduce-scatter does not run; use Compression.fp16 or bf16")
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
-    if op != collectives.Average and predivide != 1.0:
-        raise ValueError("gradient_predivide_factor applies to op=Average only")
-    if not predivide > 0:
-        raise ValueError(f"gradient_predivide_factor must be positive, got {predivide!r}")
-    if not isinstance(process_set, ProcessSet):
-        raise TypeError(f"process_set must be a ringmaster.ProcessSet, got {type(process_set).__name__}")
-    if process_set.process_set_id is None:
-        raise ValueError(f"{process_set!r} is not registered; pass it to ringmaster.add_process_set() first")
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"ZeroOptimizer: bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-
-
-def _names(optimizer, named_parameters) -> Dict[torch.Tensor, str]:
-    if named_parameters is None:
-        return {}
-    names = {}
-    for item in named_parameters:
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise ValueError("named_parameters must be (name, parameter) pairs, as model.named_parameters() gives")
-        names.setdefault(item[1], item[0])
-    return names
-
 
 
 def refuse_elastic(optimizer) -> None:

@@ -53,6 +53,7 @@ from ringmaster.common.config import Config
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto.operations import ops_where, response_bytes
 from ringmaster.worker.runtime.autotune_search import CoordinateSearch, Dimension, Setting
+from ringmaster.worker.runtime import timeline
 
 log = logging.getLogger("ringmaster.worker")
 
@@ -118,6 +119,13 @@ def reduced_bytes(response: pb.Response) -> int:
 _REDUCTIONS = ops_where(lambda spec: spec.reduces)
 #: Responses that are control, not a step's work.
 _CONTROL_OPS = ops_where(lambda spec: spec.control)
+
+
+def _is_lateness_probe(response: pb.Response) -> bool:
+    """A straggler report's probe (frontend/lateness_probes.py): a barrier under a new name each
+    time, answered without MPI. It is no step of training: counted, it would end samples that
+    reduced nothing."""
+    return bool(response.names) and all(name.startswith(timeline.UNRECORDED_PREFIX) for name in response.names)
 
 
 @dataclasses.dataclass
@@ -205,7 +213,7 @@ class Autotuner:
         if not self._measuring:
             return
         for response in response_list.responses:
-            if response.op_type in _CONTROL_OPS:
+            if response.op_type in _CONTROL_OPS or _is_lateness_probe(response):
                 continue
             self._bytes += reduced_bytes(response)
             self._responses += 1

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import grpc
 
 from ringmaster.common.config import Config
-from ringmaster.common import keepalive
+from ringmaster.common import keepalive, proc
 from ringmaster.common.message_size import KNOB, grpc_options
 from ringmaster.proto.auth import call_metadata
 from ringmaster.proto import ringmaster_pb2 as pb
@@ -50,11 +50,17 @@ class CoordinatorClient:
         max_message_bytes: ``RINGMASTER_MAX_MESSAGE_BYTES``; gRPC accepts up to twice it.
         relays_to: with a host aggregator at ``address``, the coordinator's address behind it
             (errors then say which of the two broke).
+        stack_dump_handler: whether SIGUSR1 prints this rank's stacks (told to the coordinator,
+            which never sends SIGUSR1 to a rank that says no).
+        host_timeout_s: ``RINGMASTER_HOST_TIMEOUT_S``: a stream to a coordinator on another host
+            breaks after this long without an answer to its keepalive pings
+            (:func:`ringmaster.common.keepalive.stream_options`); 0: only the long timeout.
     """
 
     def __init__(self, address: str, secret: str, rank: int, size: int, hostname: str, pid: int,
                  outbox: Outbox, on_responses: Callable, on_fatal: Callable,
-                 max_message_bytes: int = Config.max_message_bytes, relays_to: Optional[str] = None):
+                 max_message_bytes: int = Config.max_message_bytes, relays_to: Optional[str] = None,
+                 stack_dump_handler: bool = False, host_timeout_s: float = 0.0):
         self.address = address
         #: what this rank's stream reaches, as errors name it
         self.peer = (f"the ringmaster coordinator at {address}" if relays_to is None else
@@ -62,7 +68,9 @@ class CoordinatorClient:
                      f"ringmaster coordinator at {relays_to}")
         self._noun = "coordinator" if relays_to is None else "host aggregator"
         self.rank = rank
-        self._registration = pb.Register(rank=rank, size=size, hostname=hostname, pid=pid)
+        self._registration = pb.Register(rank=rank, size=size, hostname=hostname, pid=pid,
+                                         start_time=proc.start_time(pid) or 0,
+                                         stack_dump_handler=stack_dump_handler)
         self._on_responses = on_responses
         self._on_fatal = on_fatal
         self.outbox = outbox
@@ -70,9 +78,9 @@ class CoordinatorClient:
         self._welcome_message: Optional[pb.Welcome] = None
         self._start_error: Optional[RingmasterError] = None
         self._closing = False
+        self.host_timeout_s = host_timeout_s
         self._channel = grpc.insecure_channel(
-            address, options=keepalive.client_options(timeout_ms=keepalive.timeout_for(address))
-            + grpc_options(max_message_bytes))
+            address, options=keepalive.stream_options(address, host_timeout_s) + grpc_options(max_message_bytes))
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._metadata = call_metadata(secret)
         self._call = None
@@ -130,6 +138,11 @@ class CoordinatorClient:
                     f"rank {self.rank}: gRPC refused a message between this rank and the coordinator at "
                     f"{self.address} ({error.details()}): the limit is {KNOB}, which the coordinator and "
                     f"every rank must share"))
+            elif (error.code() == grpc.StatusCode.UNAVAILABLE and self.host_timeout_s > 0
+                  and keepalive.unanswered(error.details() or "")):
+                self._fail(CoordinatorUnreachableError(
+                    f"rank {self.rank}: {keepalive.silence_reason(self.address, self.host_timeout_s)} "
+                    f"(last status {error.code().name}: {error.details()}); this rank ends"))
             else:
                 self._fail(CoordinatorUnreachableError(
                     f"rank {self.rank} lost its connection to {self.peer} "

@@ -30,7 +30,8 @@ from ringmaster import ops
 from ringmaster.proto import ringmaster_pb2 as pb
 from ringmaster.proto.operations import ops_where
 from ringmaster.worker.runtime import timeline
-from ringmaster.worker.runtime.allreduce_paths import OPS_REDUCTION, AllreducePaths, postscale, scale_
+from ringmaster.worker.runtime.allreduce_paths import (OPS_REDUCTION, AllreducePaths, postscale, reducescatter_bf16,
+                                                      scale_)
 from ringmaster.worker.runtime.device import Devices
 from ringmaster.worker.runtime.entries import Entry, SetComm, TensorTable, complete, take  # noqa: F401 (Entry)
 from ringmaster.worker.runtime.errors import RankFailedError, RingmasterError, TensorMismatchError
@@ -329,6 +330,10 @@ class Executor:
         tensor = entry.tensor
         wire_dtype = reduction_dtype(tensor.dtype)
         rows = reducescatter_rows(tensor.shape[0], group.size)
+        if (tensor.dtype == torch.bfloat16 and response.reduce_op in (pb.SUM, pb.AVERAGE) and group.size > 1
+                and device.kind == "cpu"):  # 2 bytes a value, summed in float32
+            self._complete(entry, reducescatter_bf16(tensor, rows, response, group, device), device)
+            return
         row_count = math.prod(tensor.shape[1:])
         work = tensor.to(wire_dtype).reshape(-1).clone()
         scale_(work, response.prescale_factor)

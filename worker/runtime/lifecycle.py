@@ -37,7 +37,7 @@ log = logging.getLogger("ringmaster.worker")
 class Runtime:
     """Everything one process needs to take part in a job. Build it with :func:`init`."""
 
-    def __init__(self, comm, config: Config):
+    def __init__(self, comm, config: Config, stack_dump_handler: bool = False):
         self.config = config
         self.comm = comm
         self.rank = comm.Get_rank()
@@ -68,7 +68,8 @@ class Runtime:
             self.route.address, self.endpoint.secret, self.rank, self.size, self.hostname, os.getpid(),
             self.outbox, on_responses=self.executor.submit, on_fatal=self.fail,
             max_message_bytes=config.max_message_bytes,
-            relays_to=self.endpoint.address if config.host_aggregator else None)
+            relays_to=self.endpoint.address if config.host_aggregator else None,
+            stack_dump_handler=stack_dump_handler, host_timeout_s=config.host_timeout_s)
         autotune.attach(self)  # RINGMASTER_AUTOTUNE: before the thread that uses it starts
         if self.cache is not None:
             self.cache.autotune = self.executor.autotune
@@ -90,8 +91,8 @@ class Runtime:
         # watch on the coordinator (host_watch.py).
         self.host_agent = host_watch.start_host_agent(comm, config, self.endpoint.address, self.endpoint.secret)
         self.watch = host_watch.CoordinatorWatch(
-            self.endpoint.address, self.endpoint.secret, self.rank, config.host_timeout_s, self.fail,
-            pid=host_watch.coordinator_pid(self.endpoint.process)).start()
+            self.endpoint.address, self.rank, config.host_timeout_s, self.fail,
+            pid=host_watch.coordinator_pid(self.endpoint.process), agent=self.host_agent).start()
 
     def _heartbeat(self) -> pb.Heartbeat:
         """What an idle stream sends: the gradient plans this rank waits in, its cache's cycles."""
@@ -292,10 +293,12 @@ def init(comm=None, process_sets=None) -> None:
             raise RingmasterError("MPI was initialized without thread support; ringmaster runs collectives "
                                   "on a background thread: initialize MPI with MPI_THREAD_MULTIPLE "
                                   "(mpi4py does by default unless mpi4py.rc.thread_level was changed)")
-        started = Runtime(comm.Dup(), config)
+        # kill -USR1 prints where each thread of a rank is; before registering, which tells the
+        # coordinator whether it may send SIGUSR1 (not where the program owns the signal)
+        dump_handler = install_dump_signal()
+        started = Runtime(comm.Dup(), config, stack_dump_handler=dump_handler)
         current.replace(started)
         _install_exit_hooks()
-        install_dump_signal()  # kill -USR1 prints where each thread of a rank is
     if process_sets is not None and process_sets != "dynamic":
         try:
             for process_set in process_sets:

@@ -49,13 +49,15 @@ class Timeline:
         """Open span ``activity`` on the rows of ``names``."""
         when = self._now_us() if at_us is None else at_us
         for name in names:
-            self._events.put(("B", name, activity, when))
+            if not name.startswith(UNRECORDED_PREFIX):
+                self._events.put(("B", name, activity, when))
 
     def end(self, names: Iterable[str], at_us: Optional[float] = None) -> None:
         """Close the innermost open span on the rows of ``names``."""
         when = self._now_us() if at_us is None else at_us
         for name in names:
-            self._events.put(("E", name, None, when))
+            if not name.startswith(UNRECORDED_PREFIX):
+                self._events.put(("E", name, None, when))
 
     def cycle(self) -> None:
         """Mark a response list's arrival (with ``mark_cycles``)."""
@@ -118,6 +120,10 @@ class Timeline:
             self._file.write("\n]\n" if self._written else "[]\n")
             self._file.close()
 
+
+#: Names the timeline leaves out: the straggler report's probes, a new name each step
+#: (``worker/frontend/lateness_probes.py``), which would make a row each.
+UNRECORDED_PREFIX = "ringmaster.lateness."
 
 _active: Optional[Timeline] = None
 _lock = threading.Lock()
