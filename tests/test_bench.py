@@ -83,7 +83,7 @@ def test_compression_benchmark_prints_bytes_and_step_times():
                           "--hidden", "256", "--rounds", "1", "--steps", "1", "--warmup", "1", "--ratio", "0.01"],
                          timeout=80, env=job_environment())
     assert result.returncode == 0, result.output[-3000:]
-    rows = dict(re.findall(r"^\| (\w+) \| [0-9.]+ \| [0-9.]+ × \| [0-9.]+ \| ([0-9.]+) × \|$", result.stdout,
+    rows = dict(re.findall(r"^\| (\w+) \| [0-9.]+ \| [0-9.]+ × \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+) × \|$", result.stdout,
                            re.MULTILINE))
     assert set(rows) == {"dense", "fp16", "int8", "linear8", "rgc", "topk"}, result.stdout
     assert float(rows["dense"]) == 1.0 and 3.9 <= float(rows["int8"]) <= 4.0 and float(rows["rgc"]) > 10, rows
