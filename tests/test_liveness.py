@@ -8,6 +8,7 @@ where a test needs a coordinator that does not answer; the host agent as the ran
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -89,6 +90,38 @@ def test_a_wrong_token_ends_the_agent_and_its_rank_at_once_naming_the_status(dae
     assert "rank 3: this host's ringmaster host agent" in str(error)
     assert "with UNAUTHENTICATED, a status that will not go away" in str(error), error
     assert ended_s < 8.0, f"took {ended_s:.1f} s: a wrong token was waited out like silence"
+
+
+def test_on_the_coordinators_host_only_a_stopped_coordinator_process_ends_the_rank():
+    """A rank on the coordinator's host reads the coordinator's state in /proc: a process
+    stopped (SIGSTOP) for the host timeout ends the rank, naming the pid and the stop; one that
+    runs (however starved of the CPU) never does."""
+    stopped = subprocess.Popen(["sleep", "60"])
+    running = subprocess.Popen(["sleep", "60"])
+    failures, quiet = [], []
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        watches = [CoordinatorWatch("127.0.0.1:5000", rank=0, timeout_s=2.0, on_fatal=failures.append,
+                                    pid=stopped.pid).start(),
+                   CoordinatorWatch("127.0.0.1:5001", rank=1, timeout_s=2.0, on_fatal=quiet.append,
+                                    pid=running.pid).start()]
+        while not failures and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        ended_s = time.monotonic() - started
+        time.sleep(2.0)  # the running one's watch has had a host timeout and more to misjudge
+        for watch in watches:
+            watch.stop()
+    finally:
+        for sleeper in (stopped, running):
+            sleeper.kill()
+            sleeper.wait()
+    [error] = failures
+    assert re.search(rf"rank 0: the coordinator at 127\.0\.0\.1:5000 stopped answering: its process \(pid "
+                     rf"{stopped.pid}, on this host\) has been stopped for [23] s", str(error)), error
+    assert "RINGMASTER_HOST_TIMEOUT_S=2" in str(error), error
+    assert 2.0 <= ended_s < 2.0 + 2 * 1.0 + 1.0, f"ended {ended_s:.1f} s after the stop (timeout 2 s, watched every 1 s)"
+    assert quiet == [], quiet
 
 
 def test_an_agent_that_hears_nothing_ends_its_orphans_after_twice_the_timeout_naming_the_last_status():
