@@ -8,7 +8,10 @@ reads it between output pumps; from the first abort on, the launcher gets
 :data:`ABORT_GRACE_S` to end by itself, then its whole session (``mpirun``, the ssh sessions
 it opened, the local ranks) is killed. A coordinator that is stopped (``SIGSTOP``, a frozen
 VM) writes nothing: once its process has been stopped for the host timeout and the grace,
-the same happens. Either way ringrun's last line says why the job ended.
+the same happens. Either way ringrun's last line says why the job ended. A job that ends by
+itself while the coordinator is stopped, before that limit (its ranks off the coordinator's host
+count the same timeout from the last answer to their pings, which may be a second earlier),
+gets the same last line, with how long the stop had been seen.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class AbortWatch:
         self._clock = clock
         self._offset = 0
         self._stopped_since: Optional[float] = None
+        self._stopped_seen_at: Optional[float] = None  # the last look that found it stopped
         self.cause: Optional[str] = None  # why the job is over, once known
         self.seen_at: Optional[float] = None
         self.killed = False
@@ -62,7 +66,13 @@ class AbortWatch:
         return True
 
     def last_line(self) -> Optional[str]:
-        """ringrun's last line when the job was aborted (None: it was not)."""
+        """ringrun's last line when the job was aborted, or ended while the coordinator was
+        stopped (None: neither)."""
+        if self.cause is None and self._stopped_since is not None:
+            seen_s = self._stopped_seen_at - self._stopped_since
+            since = f"for {seen_s:.0f} s or more" if seen_s >= 1 else "when the job ended"
+            return (f"the job ended while the coordinator (pid {self.coordinator_pid}) had stopped answering: its "
+                    f"process was stopped (SIGSTOP, or a debugger holds it) {since}")
         if self.cause is None:
             return None
         tail = (f"; mpirun had not ended {self.grace_s:g} s later, so ringrun killed it, its ssh sessions and "
@@ -95,6 +105,7 @@ class AbortWatch:
             return None
         if self._stopped_since is None:
             self._stopped_since = now
+        self._stopped_seen_at = now
         if now - self._stopped_since < self.stop_limit_s:
             return None
         return (f"the coordinator (pid {self.coordinator_pid}) stopped answering: its process has been stopped "

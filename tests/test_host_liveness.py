@@ -1,12 +1,19 @@
 """The decisions behind issue 46's partition handling, without processes (the jobs that exercise
 them end to end are in tests/test_partitions.py): the coordinator's verdict on host agents'
-beats, the straggler tally, and ringrun's watch on the coordinator's report."""
+beats, the straggler tally, and ringrun's watch on the coordinator's report (and, where a
+stopped coordinator is needed, on a stopped ``sleep``)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 
 import pytest
+
+from ringmaster.common import proc
 
 from ringmaster.coordinator.host_liveness import MISSED_BEATS, HostLiveness, format_beat, parse_beat
 from ringmaster.coordinator.sessions import RankSession
@@ -127,3 +134,34 @@ def test_ringrun_gives_mpirun_its_grace_after_the_first_abort_then_says_why(tmp_
     assert watch.due() and not watch.due()  # once
     assert watch.last_line() == ("the job was aborted: host b is unreachable; mpirun had not ended 5 s later, so "
                                  "ringrun killed it, its ssh sessions and its local processes")
+
+
+def test_a_job_that_ends_while_the_coordinator_is_stopped_says_so_before_the_stop_limit(tmp_path):
+    """The ranks off the coordinator's host may end a second before ringrun's own limit: the
+    last line still names the stopped coordinator; a coordinator that runs again is forgotten."""
+    clock = Clock()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        watch = AbortWatch(str(tmp_path / "coordinator.report"), coordinator_pid=sleeper.pid, stop_limit_s=8.0,
+                           clock=clock)
+        assert not watch.due() and watch.last_line() is None
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while proc.state(sleeper.pid) not in proc.STOPPED_STATES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not watch.due()
+        os.kill(sleeper.pid, signal.SIGCONT)  # it ran again: the stop seen is forgotten
+        while proc.state(sleeper.pid) in proc.STOPPED_STATES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not watch.due() and watch.last_line() is None
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        while proc.state(sleeper.pid) not in proc.STOPPED_STATES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(8):  # looks for 7 s, then the job ends by itself
+            assert not watch.due()
+            clock.now += 1.0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert watch.last_line() == (f"the job ended while the coordinator (pid {sleeper.pid}) had stopped answering: "
+                                 f"its process was stopped (SIGSTOP, or a debugger holds it) for 7 s or more")
