@@ -71,7 +71,10 @@ class LatenessProbes:
                 self._synchronize(self._open.popleft())  # answered: releases the handle
             except RingmasterError:
                 pass  # a failed job: the caller's own collectives say why, not a probe
-        self._open.append(self._submit_barrier(name, set_id))
+        try:
+            self._open.append(self._submit_barrier(name, set_id))
+        except RingmasterError:
+            pass  # as above: a probe never fails its caller
 
     def _same_runtime(self) -> None:
         current = runtime()

@@ -139,7 +139,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _reductions_pending(self) -> bool:
         """Gradients of this step are being reduced (gradient_reads.py)."""
-        return bool(self._handles) or self._plans.step_in_flight()
+        if self._plans.drop_step_of_an_ended_runtime():
+            for p in self._requires_update:
+                self._delay[p] = self.backward_passes_per_step
+        return bool(self._handles) or self._plans.step_open
 
     def _finish_for_reader(self) -> None:
         """A read of ``param_groups`` after backward: reduce now; ``step()`` does not again."""

@@ -73,16 +73,17 @@ class PlanDriver:
         """Whether ``p``'s gradient was reduced as zeros this step (backward had ended without it)."""
         return p in self._filled
 
-    def step_in_flight(self) -> bool:
-        """A step of the plan has started and not finished. One begun in a runtime that has
-        ended since (an elastic shrink, ``shutdown()``) is dropped, not waited for: its
-        communicator is gone, and what restores the state (``load_state_dict``) reads
-        ``param_groups`` (gradient_reads.py)."""
-        if self.step_open and self._runtime is not None and self._runtime is not current.peek():
-            self.step_open = False
-            self._filled.clear()
-            self.plan, self._runtime, self._decided = None, None, False
-        return self.step_open
+    def drop_step_of_an_ended_runtime(self) -> bool:
+        """Drop a step of the plan begun in a runtime that has ended since (an elastic shrink,
+        ``shutdown()``) instead of waiting for it: its communicator is gone, and what restores
+        the state (``load_state_dict``) reads ``param_groups`` (gradient_reads.py). True if one
+        was dropped: its gradients count for nothing, and the caller resets its pass counts."""
+        if not (self.step_open and self._runtime is not None and self._runtime is not current.peek()):
+            return False
+        self.step_open = False
+        self._filled.clear()
+        self.plan, self._runtime, self._decided = None, None, False
+        return True
 
     def _forget_plan_of_an_ended_runtime(self) -> None:
         """After ``shutdown()`` and a new ``init()``, negotiate a step again and decide the plan anew.
@@ -146,11 +147,11 @@ class PlanDriver:
     def synchronize(self, backward_passes_per_step: int,
                     on_reduced: Optional[Callable[[List[int]], None]] = None) -> None:
         """Finish this step of the plan: every gradient reduced and written into ``p.grad``."""
-        PROBES.plan_step(self.plan.request_name, self._process_set.process_set_id)  # the straggler report
-        if not self.step_open:  # no gradient this step: every rank still runs the plan
-            self._start_step()
-        self._fill_missing()
         try:
+            PROBES.plan_step(self.plan.request_name, self._process_set.process_set_id)  # the straggler report
+            if not self.step_open:  # no gradient this step: every rank still runs the plan
+                self._start_step()
+            self._fill_missing()
             if self.plan.runs_ahead():  # no negotiation: the buckets go over the plan's own communicator
                 self.plan.finish(lambda: runtime().fatal_error, on_reduced)
             else:  # the plan's first run, on the background thread at its request's place in the order
