@@ -15,13 +15,15 @@ only one mode's memory is alive at a time), so that load on a shared machine hit
 - ``sharded-overlap``: the same with ``overlap_forward=model``: ``step()`` returns before
   the parameters are gathered; each layer's forward waits for its own bucket;
 - ``ddp-zero``: torch's ``DistributedDataParallel`` on gloo with
-  ``torch.distributed.optim.ZeroRedundancyOptimizer(Adam)``.
+  ``torch.distributed.optim.ZeroRedundancyOptimizer(Adam)``;
+- ``ddp``: ``DistributedDataParallel`` on gloo with a plain Adam, the peer of ``unsharded``.
 
 Prints, per mode: the optimizer state each rank holds (the largest rank's, after the steps:
 torch's optimizers allocate it at the first step and keep it, so that is its peak), its
 ratio to ``unsharded`` and the goal ``1/N + 5 %``; the step time (zero_grad, forward,
 backward, step; per turn the slowest rank's mean over the turn's steps, then the median
-over the rounds), and its ratios to ``unsharded`` and ``ddp-zero``.
+over the rounds), and its ratio to its peer: ``ddp`` for ``unsharded``, ``ddp-zero`` for the
+sharded modes.
 """
 
 import argparse
@@ -37,7 +39,10 @@ from torch.nn.parallel import DistributedDataParallel
 import ringmaster as rm
 from train import init_gloo, progress  # bench/train.py: the same gloo set-up and progress lines
 
-MODES = ("unsharded", "sharded", "sharded-overlap", "ddp-zero")
+MODES = ("unsharded", "sharded", "sharded-overlap", "ddp-zero", "ddp")
+#: Each mode's peer in the same processes (torch's way to hold the same state).
+PEERS = {"unsharded": "ddp", "sharded": "ddp-zero", "sharded-overlap": "ddp-zero", "ddp-zero": "ddp-zero",
+         "ddp": "ddp"}
 WIDTH, LAYERS = 2048, 12
 
 
@@ -63,6 +68,9 @@ def build(mode):
         ddp = DistributedDataParallel(net)
         zero = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
         return ddp, zero, zero.optim
+    if mode == "ddp":
+        adam = torch.optim.Adam(net.parameters(), lr=1e-4)
+        return DistributedDataParallel(net), adam, adam
     adam = torch.optim.Adam(net.parameters(), lr=1e-4)
     if mode == "unsharded":
         opt = rm.DistributedOptimizer(adam, named_parameters=net.named_parameters())
@@ -93,7 +101,7 @@ def turn(mode, steps, warmup, batch):
         one_step()
     if mode.startswith("sharded"):
         opt.wait_parameters()
-    if mode == "ddp-zero":
+    if mode.startswith("ddp"):
         dist.barrier()
     else:
         rm.barrier()
@@ -135,14 +143,14 @@ def main():
         print(f"{size} ranks, {params / 1e6:.1f} M parameters, Adam, batch {args.batch_size} per rank, "
               f"{args.rounds} rounds x {args.steps} steps per mode, step time: median over rounds")
         print(f"{'mode':16} {'state MiB/rank':>14} {'vs unsharded':>12} {'goal':>6} {'step s':>8} "
-              f"{'vs unsharded':>12} {'vs ddp-zero':>11}")
+              f"{'vs unsharded':>12} {'vs peer':>14}")
         base_state = largest["unsharded"]
         base_time = statistics.median(times["unsharded"])
-        torch_time = statistics.median(times["ddp-zero"])
         for mode in MODES:
-            median = statistics.median(times[mode])
+            median, peer = statistics.median(times[mode]), PEERS[mode]
+            versus = f"{median / statistics.median(times[peer]):.2f} {peer}"
             print(f"{mode:16} {largest[mode] / 2**20:14.1f} {largest[mode] / base_state:12.3f} "
-                  f"{1 / size + 0.05:6.3f} {median:8.3f} {median / base_time:12.2f} {median / torch_time:11.2f}")
+                  f"{1 / size + 0.05:6.3f} {median:8.3f} {median / base_time:12.2f} {versus:>14}")
     dist.destroy_process_group()
     rm.shutdown()
 

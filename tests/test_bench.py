@@ -157,5 +157,7 @@ def test_sharded_benchmark_prints_state_and_step_times():
                           "--width", "64", "--rounds", "1", "--steps", "1", "--warmup", "1"],
                          timeout=110, env=job_environment())
     assert result.returncode == 0, result.output[-3000:]
-    for mode in ("unsharded", "sharded", "sharded-overlap", "ddp-zero"):
-        assert re.search(rf"^(\[0\]: )?{mode} +\d+\.\d +\d\.\d{{3}} ", result.stdout, re.MULTILINE), result.stdout
+    for mode, peer in (("unsharded", "ddp"), ("sharded", "ddp-zero"), ("sharded-overlap", "ddp-zero"),
+                       ("ddp-zero", "ddp-zero"), ("ddp", "ddp")):
+        assert re.search(rf"^(\[0\]: )?{mode} +\d+\.\d +\d\.\d{{3}} .* \d+\.\d\d {peer}$", result.stdout,
+                         re.MULTILINE), result.stdout
