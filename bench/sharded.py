@@ -68,10 +68,9 @@ def build(mode):
         ddp = DistributedDataParallel(net)
         zero = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
         return ddp, zero, zero.optim
-    if mode == "ddp":
-        adam = torch.optim.Adam(net.parameters(), lr=1e-4)
-        return DistributedDataParallel(net), adam, adam
     adam = torch.optim.Adam(net.parameters(), lr=1e-4)
+    if mode == "ddp":
+        return DistributedDataParallel(net), adam, adam
     if mode == "unsharded":
         opt = rm.DistributedOptimizer(adam, named_parameters=net.named_parameters())
         return net, opt, opt
